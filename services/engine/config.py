@@ -1,0 +1,76 @@
+"""Engine configuration: one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineRole(enum.Enum):
+    """What an engine does with a request (ARCHITECTURE.md, "Engine roles")."""
+
+    BOTH = "both"  # prefill and decode in one engine
+    PREFILL = "prefill"  # run the prompt, sample the first token, keep the KV for export
+    DECODE = "decode"  # admit requests whose prompt KV arrives through KV transfer
+
+
+def default_dtype(device: str) -> str:
+    """float32 on the CPU (exactness against the reference), bfloat16 on CUDA."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an `Engine` needs; validated at construction (ValueError naming the field)."""
+
+    model: str = "smollm2-135m-instruct"
+    """Local Hugging Face folder or the name `smollm2-135m-instruct`."""
+    role: EngineRole = EngineRole.BOTH
+    """BOTH, PREFILL or DECODE."""
+    device: str = "cpu"
+    """torch device string: "cpu" or "cuda[:N]"."""
+    dtype: str | None = None
+    """float32 | bfloat16 | float16; None picks `default_dtype(device)`."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory_bytes: int = 1 << 30
+    """Memory budget for K and V of all layers, in bytes; sets the number of blocks."""
+    num_blocks: int | None = None
+    """Exact number of KV blocks; overrides `kv_cache_memory_bytes` when set."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; None takes the model's max_position_embeddings."""
+    max_num_seqs: int = 256
+    """Most requests running in one step."""
+    max_num_batched_tokens: int = 8192
+    """Most tokens (prompt + decode) computed in one step; a longer prompt is chunked."""
+    seed: int = 0
+    """Seeds block-list shuffling and requests that carry no seed of their own."""
+    shuffle_free_blocks: bool = False
+    """Hand out blocks in random order (tests use it to catch reads outside a block table)."""
+    engine_id: str = "engine-0"
+    """Name of this engine in KV handles (unique within a cluster)."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model: must be a folder path or a known model name")
+        if not isinstance(self.role, EngineRole):
+            raise ValueError(f"role: expected EngineRole, got {self.role!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype or default_dtype(self.device)]

@@ -1,0 +1,245 @@
+"""The transport-free engine: add_request / step / abort, and `generate` on top.
+
+One step = schedule -> (load remote KV) -> model runner -> update -> outputs (nano-vllm's three
+verbs plus the KV hand-off). Services wrap this class; it never imports grpc, ray or prometheus.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from services.engine.config import EngineConfig, EngineRole
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.errors import InvalidRequestError, RequestNotFoundError, ResourceExhaustedError
+from services.engine.kv_cache import KVCache
+from services.engine.kv_transfer.base import KVHandle, KVSource, KVTransfer
+from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
+from services.engine.loader import resolve_model
+from services.engine.model_runner import ModelRunner, check_model_config, load_model, resolve_max_model_len
+from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.request import Request, RequestStatus
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler, SchedulerOutput
+
+
+class Engine(KVSource):
+    """A paged-KV inference engine in one of the roles BOTH, PREFILL or DECODE.
+
+    Raises ValueError (naming the field) for a bad config or unsupported model.
+    """
+
+    def __init__(self, config: EngineConfig, kv_transfer: KVTransfer | None = None) -> None:
+        self.model_path = str(resolve_model(config.model))
+        hf_config, max_model_len = resolve_max_model_len(self.model_path, config.max_model_len)
+        check_model_config(hf_config, max_model_len)
+        self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
+        self.model = load_model(self.model_path, config)
+        spec = self.model.kv_cache_spec(config.block_size, config.torch_dtype)
+        num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_cache_memory_bytes)
+        self.kv_cache = KVCache(spec, num_blocks, config.device, shuffle=config.shuffle_free_blocks, seed=config.seed)
+        self.scheduler = Scheduler(config, self.kv_cache)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.device)
+        self.tokenizer = _load_tokenizer(self.model_path)
+        self.eos_token_id = _eos_token_id(hf_config, self.tokenizer)
+        self.kv_transfer = kv_transfer or InMemoryKVTransfer()
+        self.kv_transfer.register_source(config.engine_id, self)
+        self.requests: dict[str, Request] = {}
+        self.pinned: dict[str, Request] = {}  # PREFILL role: finished, blocks held for export
+        self._finished_at_admission: list[Request] = []  # DECODE: first token already ended it
+        self.last_step: SchedulerOutput | None = None
+        self.num_prompt_tokens_computed = 0
+        self._ids = itertools.count()
+        self._seeds = random.Random(config.seed)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        kv_handle: KVHandle | None = None,
+    ) -> str:
+        """Queue a request; returns its id.
+
+        DECODE role: `kv_handle` (required) says where the prompt's KV and first token are.
+        Raises InvalidRequestError (empty or too-long prompt, unknown token ids, duplicate id) and
+        ResourceExhaustedError (the request could never fit in the KV cache).
+        """
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests or request_id in self.pinned:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        prompt_ids = self._tokenize(prompt)
+        self._validate(prompt_ids, params, kv_handle)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request = Request(request_id, prompt_ids, params, seed, self.eos_token_id, time.monotonic(), kv_handle)
+        if kv_handle is not None:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            request.append_output_token(kv_handle.first_token_id, self.config.max_model_len)
+            if request.status.is_finished:  # the first token already ended it: nothing to decode
+                self.kv_transfer.complete(kv_handle)
+                self.requests[request_id] = request
+                self._finished_at_admission.append(request)
+                return request_id
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this model folder has no tokenizer; send token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        return list(prompt)
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams, kv_handle: KVHandle | None) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(prompt_ids) >= self.config.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_ids)} tokens; max_model_len is {self.config.max_model_len}"
+            )
+        self.runner.check_token_ids(prompt_ids, "prompt_token_ids")
+        role = self.config.role
+        if role == EngineRole.DECODE and kv_handle is None:
+            raise InvalidRequestError("kv_handle", "a DECODE engine needs the prompt's KV handle")
+        if role != EngineRole.DECODE and kv_handle is not None:
+            raise InvalidRequestError("kv_handle", f"a {role.name} engine computes its own prompt KV")
+        if kv_handle is not None and kv_handle.num_tokens != len(prompt_ids):
+            raise InvalidRequestError("kv_handle", "num_tokens does not match the prompt length")
+        max_len = min(len(prompt_ids) + params.max_tokens, self.config.max_model_len)
+        needed = -(-max_len // self.config.block_size)
+        if needed > self.kv_cache.num_blocks:
+            raise ResourceExhaustedError(
+                f"request needs {needed} KV blocks, the cache has {self.kv_cache.num_blocks}"
+            )
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks. Raises RequestNotFoundError for an unknown id."""
+        if request_id in self.pinned:
+            self.kv_transfer.revoke(request_id)
+            self.release_kv(request_id)
+            return
+        request = self.requests.get(request_id)
+        if request is None:
+            raise RequestNotFoundError(request_id)
+        self.scheduler.remove_running(request)
+        request.finish(RequestStatus.FINISHED_ABORTED)
+        del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.num_running or self.scheduler.num_waiting or self._finished_at_admission)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns an output for every request that got a token or finished."""
+        outputs = [self._finish(r) for r in self._finished_at_admission]
+        self._finished_at_admission.clear()
+        sched = self.scheduler.schedule()
+        self.last_step = sched
+        for load in sched.remote_loads:
+            self.kv_cache.write_blocks(load.block_ids[: len(load.handle.block_ids)], self.kv_transfer.pull(load.handle))
+            self.kv_transfer.complete(load.handle)
+        result = self.runner.execute(sched)
+        self.num_prompt_tokens_computed += sum(
+            n for rid, n in result.num_tokens_by_request.items() if n > 1 or not self.requests[rid].output_token_ids
+        )
+        for request in self.scheduler.update(sched, result.sampled, self.requests):
+            if request.status.is_finished:
+                outputs.append(self._finish(request))
+            elif self.config.role == EngineRole.PREFILL:
+                outputs.append(self._hand_off(request))
+            else:
+                outputs.append(self._output(request, [request.output_token_ids[-1]]))
+        return outputs
+
+    def _output(self, request: Request, new: list[int], handle: KVHandle | None = None) -> RequestOutput:
+        return RequestOutput(
+            request.request_id, new, list(request.output_token_ids), request.status.is_finished,
+            request.status.finish_reason, handle,
+        )
+
+    def _finish(self, request: Request) -> RequestOutput:
+        self.scheduler.remove_running(request)
+        del self.requests[request.request_id]
+        return self._output(request, request.output_token_ids[-1:])
+
+    def _hand_off(self, request: Request) -> RequestOutput:
+        """PREFILL role: keep the prompt's blocks pinned and publish a handle to them."""
+        request.finish(RequestStatus.FINISHED_PREFILLED)
+        self.scheduler.remove_running(request, free=False)
+        del self.requests[request.request_id]
+        num_prompt_blocks = -(-len(request.prompt_token_ids) // self.config.block_size)
+        handle = KVHandle(
+            request.request_id, self.config.engine_id, tuple(request.block_table[:num_prompt_blocks]),
+            len(request.prompt_token_ids), request.output_token_ids[0],
+        )
+        self.pinned[request.request_id] = request
+        self.kv_transfer.publish(handle)
+        return self._output(request, request.output_token_ids[-1:], handle)
+
+    # -- KVSource ------------------------------------------------------------------------------
+
+    def read_kv(self, handle: KVHandle) -> torch.Tensor:
+        if handle.request_id not in self.pinned:
+            raise RequestNotFoundError(handle.request_id)
+        return self.kv_cache.read_blocks(list(handle.block_ids))
+
+    def release_kv(self, request_id: str) -> None:
+        request = self.pinned.pop(request_id, None)
+        if request is not None:
+            self.kv_cache.free(request)
+
+    # -- convenience ---------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[CompletionOutput]:
+        """Run prompts to completion (BOTH role); outputs in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        prompt_ids = {rid: list(self.requests[rid].prompt_token_ids) for rid in ids}
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [
+            CompletionOutput(rid, prompt_ids[rid], done[rid].output_token_ids,
+                             self.decode(prompt_ids[rid], done[rid].output_token_ids), done[rid].finish_reason)
+            for rid in ids
+        ]
+
+    def decode(self, prompt_ids: list[int], token_ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        return detok.add_tokens(token_ids) + detok.flush()
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if block accounting is broken (tests call it after every step)."""
+        self.kv_cache.pool.check_integrity()
+        held = sum(len(r.block_table) for r in [*self.scheduler.running, *self.pinned.values()])
+        if held != self.kv_cache.pool.num_used_blocks:
+            raise RuntimeError(f"requests hold {held} blocks, pool says {self.kv_cache.pool.num_used_blocks} used")
+
+
+def _load_tokenizer(path: str):
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        return None  # random-weight test models ship no tokenizer
+
+
+def _eos_token_id(hf_config, tokenizer) -> int | None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    eos = getattr(hf_config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, list) else eos

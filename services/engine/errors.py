@@ -1,0 +1,26 @@
+"""Typed engine errors. The services map them to gRPC codes in one interceptor.
+
+Tier 1 (internal invariants) uses `assert`; these are tiers 2 and 3: bad input and resources.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """Bad user input (-> INVALID_ARGUMENT). `field` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ResourceExhaustedError(EngineError):
+    """Not enough KV blocks or request slots (-> RESOURCE_EXHAUSTED)."""
+
+
+class RequestNotFoundError(EngineError, KeyError):
+    """Unknown request id (-> NOT_FOUND)."""

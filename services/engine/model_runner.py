@@ -1,0 +1,142 @@
+"""Model runner: loads the model and turns a `SchedulerOutput` into sampled tokens.
+
+Builds the flattened step inputs (input_ids, positions, slot_mapping, block tables), runs the
+paged forward, and samples one token per request that reached the end of its tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from services.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
+from services.engine.config import EngineConfig
+from services.engine.errors import InvalidRequestError
+from services.engine.kv_cache import KVCache
+from services.engine.models import MODEL_REGISTRY
+from services.engine.sampler import sample
+from services.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request_id -> token id
+    num_tokens_by_request: dict[str, int] = field(default_factory=dict)  # what the forward saw
+
+
+def check_model_config(hf_config, max_model_len: int) -> None:
+    """Refuse what the paged forward cannot run exactly; ValueError naming the field."""
+    if hf_config.model_type not in MODEL_REGISTRY:
+        raise ValueError(
+            f"model: architecture {hf_config.model_type!r} is not supported "
+            f"(supported: {sorted(MODEL_REGISTRY)})"
+        )
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = getattr(hf_config, "use_sliding_window", True)
+    if window is not None and uses_window and window < max_model_len:
+        raise ValueError(
+            f"max_model_len: {max_model_len} exceeds the model's sliding window ({window}); "
+            "sliding-window attention is not supported, pass --max-model-len <= the window"
+        )
+
+
+def load_model(path: str, config: EngineConfig):
+    """Load weights through transformers and wrap them in our paged forward."""
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=config.torch_dtype)
+    hf_model.eval().to(config.device)
+    family = MODEL_REGISTRY[hf_model.config.model_type]
+    return family(hf_model, get_attention_backend("torch_sdpa"))
+
+
+def resolve_max_model_len(path: str, requested: int | None) -> tuple[object, int]:
+    hf_config = AutoConfig.from_pretrained(path)
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is not None and requested > limit:
+        raise ValueError(f"max_model_len: {requested} exceeds the model's {limit} positions")
+    return hf_config, requested or limit
+
+
+class ModelRunner:
+    """Executes one scheduled step on the model; stateless apart from the model itself."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: str) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.vocab_size = model.config.vocab_size
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if not out.scheduled:
+            return ModelRunnerOutput()
+        # Multi-token work first (prefill chunks), then single-token requests as one decode batch.
+        items = sorted(out.scheduled, key=lambda s: len(s.token_ids) == 1)
+        input_ids, positions, meta, logits_rows = self._prepare(items)
+        sampling = [(i, s) for i, s in enumerate(items) if s.sample is not None]
+        logits_indices = torch.tensor([logits_rows[i] for i, _ in sampling], dtype=torch.long)
+        logits = self.model(input_ids, positions, self.kv_cache, meta, logits_indices.to(self.device))
+        tokens = sample(logits, [s.sample for _, s in sampling])
+        return ModelRunnerOutput(
+            sampled={s.request_id: tok for (_, s), tok in zip(sampling, tokens)},
+            num_tokens_by_request={s.request_id: len(s.token_ids) for s in items},
+        )
+
+    def _prepare(self, items: list[ScheduledRequest]):
+        block_size = self.kv_cache.spec.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        tables: list[list[int]] = []
+        prefills: list[PrefillSeq] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        logits_rows: list[int] = []
+        for item in items:
+            n = len(item.token_ids)
+            start = len(ids)
+            ids.extend(item.token_ids)
+            pos.extend(range(item.start_position, item.start_position + n))
+            tables.append(item.block_table)
+            context_len = item.start_position + n
+            num_blocks = -(-context_len // block_size)
+            if n > 1:
+                table = torch.tensor(item.block_table[:num_blocks], dtype=torch.long, device=self.device)
+                prefills.append(PrefillSeq(start, n, context_len, table))
+            else:
+                decode_tables.append(item.block_table[:num_blocks])
+                decode_lens.append(context_len)
+            logits_rows.append(start + n - 1)
+        positions = torch.tensor(pos, dtype=torch.long)
+        meta = AttentionMetadata(
+            slot_mapping=self._slot_mapping(items, positions).to(self.device),
+            prefills=tuple(prefills),
+            num_prefill_tokens=sum(p.query_len for p in prefills),
+            decode_block_tables=_pad(decode_tables).to(self.device),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device),
+        )
+        return torch.tensor(ids, dtype=torch.long, device=self.device), positions.to(self.device), meta, logits_rows
+
+    def _slot_mapping(self, items: list[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] flat slot = block_table[pos // block_size] * block_size + pos % block_size."""
+        block_size = self.kv_cache.spec.block_size
+        block_ids = torch.cat([
+            torch.tensor(item.block_table, dtype=torch.long)[
+                torch.arange(item.start_position, item.start_position + len(item.token_ids)) // block_size
+            ]
+            for item in items
+        ])
+        return block_ids * block_size + positions % block_size
+
+    def check_token_ids(self, token_ids: list[int], field_name: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(field_name, f"token ids {bad[:5]} outside [0, {self.vocab_size})")
+
+
+def _pad(tables: list[list[int]]) -> torch.Tensor:
+    """Right-pad block tables with block 0 into [len(tables), max_len] (masked by context_len)."""
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).reshape(len(tables), width)

@@ -1,0 +1,30 @@
+"""What the engine returns to its caller, per step and per finished request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.engine.kv_transfer.base import KVHandle
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One step's news for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    output_token_ids: list[int]  # all generated so far
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" (PREFILL role)
+    kv_handle: KVHandle | None = None  # PREFILL role: where the prompt's KV is pinned
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """A finished request from `Engine.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None  # None when the model folder has no tokenizer
+    finish_reason: str

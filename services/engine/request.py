@@ -1,0 +1,99 @@
+"""A request's state inside one engine, and its lifecycle."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from services.engine.kv_transfer.base import KVHandle
+from services.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle of a request in an engine; one `Request` method per transition."""
+
+    WAITING = "waiting"  # queued for (re)computation of its KV
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # DECODE role: prompt KV not landed yet
+    RUNNING = "running"  # has blocks, computes a chunk or one token per step
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "finished_aborted"  # abort() by the caller
+    FINISHED_PREFILLED = "finished_prefilled"  # PREFILL role: first token out, KV held for export
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_PREFILLED: "prefilled",
+}
+
+
+@dataclass
+class Request:
+    """One request: its tokens, how many of them have KV in the cache, and its blocks.
+
+    `all_token_ids` = prompt + generated; `num_computed_tokens` of them have K/V written in the
+    blocks of `block_table`. A step schedules `all_token_ids[num_computed_tokens:]` (or a chunk).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    """Effective sampling seed (the request's own or one drawn by the engine)."""
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    kv_handle: KVHandle | None = None
+    """DECODE role: where this request's prompt KV lives."""
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    # -- transitions ---------------------------------------------------------------------------
+
+    def start_running(self) -> None:
+        assert self.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV)
+        self.status = RequestStatus.RUNNING
+
+    def preempt(self) -> None:
+        """Back to WAITING; the caller has freed its blocks, its KV will be recomputed."""
+        assert self.status == RequestStatus.RUNNING
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+
+    def finish(self, status: RequestStatus) -> None:
+        assert status.is_finished and not self.status.is_finished
+        self.status = status
+
+    def append_output_token(self, token_id: int, max_model_len: int) -> None:
+        """Record a sampled token and finish the request if it hit a stop condition."""
+        self.output_token_ids.append(token_id)
+        params = self.sampling_params
+        if not params.ignore_eos and token_id == self.eos_token_id:
+            self.finish(RequestStatus.FINISHED_STOPPED)
+        elif token_id in params.stop_token_ids:
+            self.finish(RequestStatus.FINISHED_STOPPED)
+        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            self.finish(RequestStatus.FINISHED_LENGTH)

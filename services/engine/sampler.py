@@ -1,0 +1,53 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+
+Each sampled (non-greedy) request draws from its own generator seeded by (request seed, output
+index), so its tokens depend neither on its batch neighbours nor on which worker (prefill or
+decode) sampled which token, nor on preemption and recomputation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over 63 bits
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    seed: int
+    output_index: int  # index of the token being sampled among the request's outputs
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """logits: float32 [num_rows, vocab_size] -> one token id per row."""
+    assert logits.shape[0] == len(rows)
+    tokens = logits.argmax(dim=-1).tolist()  # greedy for every row; sampled rows overwrite
+    for i, row in enumerate(rows):
+        if not row.params.greedy:
+            tokens[i] = _sample_row(logits[i], row)
+    return tokens
+
+
+def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
+    """logits: [vocab_size]. Top-k, then top-p (nucleus; Holtzman et al. 2020) on the tempered softmax."""
+    params = row.params
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[0]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, sorted_ids = probs.sort(descending=True)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop = (sorted_probs.cumsum(0) - sorted_probs) >= params.top_p
+        probs = probs.scatter(0, sorted_ids[drop], 0.0)
+    generator = torch.Generator(device=logits.device)
+    generator.manual_seed((row.seed * _SEED_MIX + row.output_index) % (1 << 63))
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -1,0 +1,158 @@
+"""Iteration-level scheduler (Orca; vLLM v1): every step picks which tokens of which requests run.
+
+Prefill and decode are one mechanism: a request has `num_computed_tokens` of its `all_token_ids`
+in the cache, and a step computes the next `min(remaining, budget)` of them. A decode is simply a
+request with one token left to compute; a long prompt is chunked by `max_num_batched_tokens`.
+When blocks run out, the newest running request is preempted and later recomputed (vLLM's
+RECOMPUTE preemption), keeping its generated tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.config import EngineConfig
+from services.engine.kv_cache import KVCache
+from services.engine.kv_transfer.base import KVHandle
+from services.engine.request import Request, RequestStatus
+from services.engine.sampler import SamplingRow
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's work in a step: compute `token_ids` at positions start_position.. ."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: SamplingRow | None  # None while a chunked prompt has tokens left after this step
+
+
+@dataclass(frozen=True)
+class RemoteLoad:
+    """DECODE role: copy `handle`'s blocks into `block_ids` before the step runs."""
+
+    handle: KVHandle
+    block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    remote_loads: list[RemoteLoad] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every request's blocks."""
+
+    def __init__(self, config: EngineConfig, kv_cache: KVCache) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0 or not self._allocate_or_preempt(request, num_new, out):
+                continue
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        if not out.preempted_ids:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv_cache.allocate_slots(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.preempt()
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            remote = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
+            if remote:
+                # Blocks for the whole prompt (filled by the transfer) plus the first token.
+                if not self.kv_cache.allocate_slots(request, request.num_tokens):
+                    break
+                request.num_computed_tokens = request.kv_handle.num_tokens
+                num_new = request.num_tokens - request.num_computed_tokens
+                out.remote_loads.append(RemoteLoad(request.kv_handle, list(request.block_table)))
+            else:
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if not self.kv_cache.allocate_slots(request, num_new):
+                    break
+            self.waiting.popleft()
+            request.start_running()
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        sample = None
+        if end == request.num_tokens:
+            sample = SamplingRow(request.sampling_params, request.seed, request.num_output_tokens)
+        return ScheduledRequest(
+            request.request_id, request.all_token_ids[start:end], start, list(request.block_table), sample
+        )
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], requests: dict[str, Request]) -> list[Request]:
+        """Advance computed counts and append sampled tokens; returns requests that got a token."""
+        got_token = []
+        for item in out.scheduled:
+            request = requests[item.request_id]
+            request.num_computed_tokens += len(item.token_ids)
+            if item.request_id in sampled:
+                request.append_output_token(sampled[item.request_id], self.max_model_len)
+                got_token.append(request)
+        return got_token
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.config.max_model_len is not None
+        return self.config.max_model_len
+
+    def remove_running(self, request: Request, *, free: bool = True) -> None:
+        """Take a request out of the queues; `free=False` keeps its blocks (PREFILL hand-off)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if free:
+            self.kv_cache.free(request)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,25 @@
+"""The one module that reads environment variables.
+
+Every other module asks here, so the full list of knobs is in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Root of pdserve's on-disk caches (converted models, compiled stubs).
+
+    `$PDSERVE_CACHE_DIR`, default `~/.cache/pdserve`. Created on first use.
+    """
+    root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def num_threads() -> int | None:
+    """`$PDSERVE_NUM_THREADS`: torch intra-op threads for an engine, or None for torch's default."""
+    value = os.environ.get("PDSERVE_NUM_THREADS")
+    return int(value) if value else None
