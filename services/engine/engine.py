@@ -53,7 +53,7 @@ class Engine(KVSource):
         self.pinned: dict[str, Request] = {}  # PREFILL role: finished, blocks held for export
         self._finished_at_admission: list[Request] = []  # DECODE: first token already ended it
         self.last_step: SchedulerOutput | None = None
-        self.num_prompt_tokens_computed = 0
+        self.last_forward_tokens: dict[str, int] = {}  # request_id -> tokens the last forward saw
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
 
@@ -148,9 +148,7 @@ class Engine(KVSource):
             self.kv_cache.write_blocks(load.block_ids[: len(load.handle.block_ids)], self.kv_transfer.pull(load.handle))
             self.kv_transfer.complete(load.handle)
         result = self.runner.execute(sched)
-        self.num_prompt_tokens_computed += sum(
-            n for rid, n in result.num_tokens_by_request.items() if n > 1 or not self.requests[rid].output_token_ids
-        )
+        self.last_forward_tokens = result.num_tokens_by_request
         for request in self.scheduler.update(sched, result.sampled, self.requests):
             if request.status.is_finished:
                 outputs.append(self._finish(request))
@@ -209,7 +207,7 @@ class Engine(KVSource):
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.step():
-                if out.finished:
+                if out.finished and out.request_id in prompt_ids:
                     done[out.request_id] = out
         return [
             CompletionOutput(rid, prompt_ids[rid], done[rid].output_token_ids,

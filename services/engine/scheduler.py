@@ -58,6 +58,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt positions run through the model (incl. recompute)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -129,7 +130,9 @@ class Scheduler:
         got_token = []
         for item in out.scheduled:
             request = requests[item.request_id]
-            request.num_computed_tokens += len(item.token_ids)
+            end = item.start_position + len(item.token_ids)
+            self.num_prompt_tokens_computed += max(0, min(end, len(request.prompt_token_ids)) - item.start_position)
+            request.num_computed_tokens = end
             if item.request_id in sampled:
                 request.append_output_token(sampled[item.request_id], self.max_model_len)
                 got_token.append(request)

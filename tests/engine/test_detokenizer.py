@@ -26,6 +26,12 @@ SAMPLES = [
     "Ça été très déjà vu: naïve façade, Ångström, Ølstykke, Łódź, Straße.",
     "  leading spaces,\ttabs\nand newlines\n\n",
 ]
+HYPOTHESIS_SETTINGS = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+UNICODE_TEXT = st.text(
+    st.characters(exclude_characters=FFFD, exclude_categories=("Cs",)), max_size=40
+)
 DECODE_KW = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
 
 
@@ -112,23 +118,28 @@ def _feed_and_check(tok, ids: list[int], chunks: list[int] | None = None) -> Inc
     return detok
 
 
+def test_samples_split_characters_across_tokens(tok):
+    """Sanity: the CJK/emoji samples really do cut characters between tokens."""
+    for text in SAMPLES[:5]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert any(_decode(tok, ids[:i]).endswith(FFFD) for i in range(len(ids))), text
+
+
 @pytest.mark.parametrize("text", SAMPLES)
 def test_one_token_at_a_time_matches_decode(tok, text):
     ids = tok.encode(text, add_special_tokens=False)
-    assert any(_decode(tok, ids[:i]).endswith(FFFD) for i in range(len(ids))) or text.isascii() \
-        or text.startswith("Ça"), "sample should split characters across tokens"
     detok = _feed_and_check(tok, ids)
     if _decode(tok, ids) == text:  # the tokenizer round-trips
         assert detok.text == text
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@HYPOTHESIS_SETTINGS
 @given(data=st.data())
 def test_random_chunks_match_decode(tok, data):
     text = data.draw(
         st.one_of(
             st.sampled_from(SAMPLES),
-            st.text(st.characters(exclude_characters=FFFD, exclude_categories=("Cs",)), max_size=40),
+            UNICODE_TEXT,
         )
     )
     ids = tok.encode(text, add_special_tokens=False)
@@ -138,14 +149,16 @@ def test_random_chunks_match_decode(tok, data):
         assert detok.text == text
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@HYPOTHESIS_SETTINGS
 @given(data=st.data())
 def test_random_bytes_including_invalid_utf8(tok, data):
     """Arbitrary byte tokens (mostly invalid UTF-8) mixed with ordinary and special tokens."""
     vocab = tok.get_vocab()
+    high = [vocab[BYTE_CHARS[b]] for b in range(0x80, 0x100) if BYTE_CHARS[b] in vocab]
     byte_ids = [vocab[c] for c in BYTE_CHARS.values() if c in vocab]
     word_ids = tok.encode(" hello 世界 🇫🇷", add_special_tokens=False) + tok.all_special_ids[:3]
-    ids = data.draw(st.lists(st.sampled_from(byte_ids + word_ids), max_size=60))
+    # Weighted towards non-ASCII bytes so that long held-back runs (> MAX_PENDING) occur.
+    ids = data.draw(st.lists(st.sampled_from(high * 8 + byte_ids + word_ids), max_size=80))
     chunks = data.draw(st.lists(st.integers(1, 12), max_size=len(ids)))
     _feed_and_check(tok, ids, chunks)
 
@@ -186,6 +199,19 @@ def test_invalid_utf8_flushes_replacement_char(tok):
     hello = tok.encode("hello", add_special_tokens=False)
     out = detok.add_tokens([cont]) + detok.add_tokens(hello) + detok.flush()
     assert out == _decode(tok, [cont, *hello]) == FFFD + "hello"
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [[0xF0, 0x9F], [0xE4], [0xE4, 0xBD], [0x80], [0xF0, 0x9F, 0x98, 0x80, 0xF0], [0xC3, 0x41]],
+)
+def test_long_invalid_runs_stay_consistent(tok, pattern):
+    """Runs far longer than MAX_PENDING: forced emission must cut only between sequences."""
+    tail = tok.encode(" ok 你好", add_special_tokens=False)
+    ids = [_byte_token(tok, b) for b in pattern] * 12 + tail
+    for chunks in (None, [5, 3, 7, 1, 11]):
+        detok = _feed_and_check(tok, ids, chunks)
+        assert detok.text.endswith(" ok 你好")
 
 
 def _counting(tok, sizes: list[int]):

@@ -1,0 +1,128 @@
+"""A PREFILL engine and a DECODE engine joined by the in-memory transfer behave like one BOTH engine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.engine import EngineRole, SamplingParams
+from services.engine.errors import InvalidRequestError
+from services.engine.kv_transfer import InMemoryKVTransfer, TransferStatus
+from tests.engine.helpers import GREEDY, make_engine, run_to_completion
+
+LENS = [1, 15, 16, 17, 33, 100]
+
+
+def _pair(model: str, block_size: int = 16):
+    transfer = InMemoryKVTransfer()
+    prefill = make_engine(model, role=EngineRole.PREFILL, engine_id="p0", block_size=block_size, num_blocks=512)
+    decode = make_engine(model, role=EngineRole.DECODE, engine_id="d0", block_size=block_size, num_blocks=512)
+    prefill.kv_transfer = decode.kv_transfer = transfer
+    transfer.register_source("p0", prefill)
+    return prefill, decode, transfer
+
+
+def _disaggregated(prefill, decode, requests):
+    """Prefill every request, hand each KV handle to the decode engine, decode to the end."""
+    handles = {}
+    for rid, (prompt, params) in requests.items():
+        prefill.add_request(prompt, params, request_id=rid)
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            assert out.finished and out.finish_reason == "prefilled" and len(out.output_token_ids) == 1
+            handles[out.request_id] = out.kv_handle
+        prefill.check_integrity()
+    assert prefill.kv_cache.pool.num_used_blocks == sum(len(h.block_ids) for h in handles.values())
+    for rid, (prompt, params) in requests.items():
+        decode.add_request(prompt, params, request_id=rid, kv_handle=handles[rid])
+    finished, steps = {}, []
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                finished[out.request_id] = out.output_token_ids
+        steps.append(dict(decode.last_forward_tokens))
+        decode.check_integrity()
+    return finished, steps, handles
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_prefill_plus_decode_equals_both(tiny_model, block_size):
+    rng = random.Random(7)
+    requests = {
+        f"r{n}": ([rng.randrange(2, 512) for _ in range(n)], SamplingParams(max_tokens=12, **GREEDY)) for n in LENS
+    }
+    requests["sampled"] = ([5, 6, 7, 8, 9], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3))
+    both_outs, _ = run_to_completion(make_engine(tiny_model, block_size=block_size, num_blocks=512), requests)
+    prefill, decode, transfer = _pair(tiny_model, block_size)
+    disagg_outs, steps, handles = _disaggregated(prefill, decode, requests)
+    assert disagg_outs == both_outs
+    # The DECODE engine never ran a prompt position: one token per request per forward.
+    assert decode.scheduler.num_prompt_tokens_computed == 0
+    assert all(n == 1 for step in steps for n in step.values())
+    assert len(steps[0]) == len(requests)
+    # Every transfer completed and the prefill side released every pinned block.
+    assert all(transfer.status(rid) == TransferStatus.COMPLETED for rid in handles)
+    assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
+    assert not prefill.pinned
+    assert decode.kv_cache.pool.num_free_blocks == decode.kv_cache.num_blocks
+
+
+def test_decode_uses_the_transferred_kv(tiny_llama):
+    """Zeroing a transferred block changes the output: decode really reads what it received."""
+    prompt = list(range(10, 60))
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    prefill, decode, transfer = _pair(tiny_llama)
+    clean, _, _ = _disaggregated(prefill, decode, {"a": (prompt, params)})
+    prefill, decode, transfer = _pair(tiny_llama)
+    original_read = prefill.read_kv
+
+    def corrupted_read(handle):
+        data = original_read(handle)
+        data[:, :, 1] = 0.0  # zero the second block of every layer's K and V
+        return data
+
+    prefill.read_kv = corrupted_read
+    corrupted, _, _ = _disaggregated(prefill, decode, {"a": (prompt, params)})
+    assert corrupted["a"] != clean["a"]
+
+
+def test_max_tokens_one_ends_on_the_prefill_side(tiny_llama):
+    """The first token already ends the request: no handle, nothing pinned, nothing to decode."""
+    prefill, decode, transfer = _pair(tiny_llama)
+    prefill.add_request([3, 4, 5], SamplingParams(max_tokens=1, **GREEDY), request_id="a")
+    (out,) = prefill.step()
+    assert out.finished and out.finish_reason == "length" and out.kv_handle is None
+    assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
+
+
+def test_decode_finishes_at_admission_when_first_token_ends_it(tiny_llama):
+    """A handle whose first token already meets max_tokens completes the transfer, runs nothing."""
+    prefill, decode, transfer = _pair(tiny_llama)
+    prefill.add_request([3, 4, 5], SamplingParams(max_tokens=5, **GREEDY), request_id="a")
+    (out,) = prefill.step()
+    decode.add_request([3, 4, 5], SamplingParams(max_tokens=1, **GREEDY), request_id="a", kv_handle=out.kv_handle)
+    (done,) = decode.step()
+    assert done.finished and done.finish_reason == "length" and done.output_token_ids == out.output_token_ids
+    assert decode.last_forward_tokens == {}
+    assert transfer.status("a") == TransferStatus.COMPLETED
+    assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
+
+
+def test_abort_pinned_request_frees_blocks_and_revokes(tiny_llama):
+    prefill, decode, transfer = _pair(tiny_llama)
+    prefill.add_request(list(range(2, 40)), SamplingParams(max_tokens=4, **GREEDY), request_id="a")
+    (out,) = prefill.step()
+    assert prefill.kv_cache.pool.num_used_blocks == 3
+    prefill.abort("a")
+    assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
+    assert transfer.status("a") == TransferStatus.RELEASED
+    decode.add_request(list(range(2, 40)), SamplingParams(max_tokens=4, **GREEDY), request_id="a", kv_handle=out.kv_handle)
+    with pytest.raises(KeyError):
+        decode.step()
+
+
+def test_role_checks(tiny_llama):
+    prefill, decode, _ = _pair(tiny_llama)
+    with pytest.raises(InvalidRequestError, match="kv_handle"):
+        decode.add_request([1, 2, 3], SamplingParams())

@@ -1,0 +1,99 @@
+"""Bad input is refused with an error naming the field; the engine stays usable afterwards."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import MistralConfig, MistralForCausalLM
+
+from services.engine import Engine, EngineConfig, SamplingParams
+from services.engine.errors import InvalidRequestError, ResourceExhaustedError
+from tests.engine.helpers import GREEDY, make_engine
+from tests.reference import assert_equivalent, hf_greedy
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+    ],
+)
+def test_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(dtype="float64"), "dtype"),
+        (dict(device="tpu"), "device"),
+        (dict(num_blocks=0), "num_blocks"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(max_model_len=0), "max_model_len"),
+    ],
+)
+def test_engine_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        EngineConfig(**kwargs)
+
+
+def test_bad_requests_are_refused_and_leave_no_trace(tiny_llama):
+    engine = make_engine(tiny_llama, num_blocks=8, max_model_len=64)
+    free = engine.kv_cache.pool.num_free_blocks
+    cases = [
+        ([], SamplingParams(), "prompt"),
+        (list(range(2, 70)), SamplingParams(), "prompt"),
+        ([1, 2, 512], SamplingParams(), "prompt_token_ids"),
+        ([1, -1], SamplingParams(), "prompt_token_ids"),
+    ]
+    for prompt, params, field in cases:
+        with pytest.raises(InvalidRequestError, match=f"^{field}:") as info:
+            engine.add_request(prompt, params)
+        assert info.value.field == field
+    with pytest.raises(InvalidRequestError, match="^prompt:"):
+        engine.add_request("text needs a tokenizer", SamplingParams())
+    with pytest.raises(ResourceExhaustedError):  # 38 + 4 tokens need 3 blocks of 16; the cache has 2
+        make_engine(tiny_llama, num_blocks=2).add_request(list(range(2, 40)), SamplingParams(max_tokens=4))
+    engine.add_request([3, 4], SamplingParams(max_tokens=2), request_id="dup")
+    with pytest.raises(InvalidRequestError, match="^request_id:"):
+        engine.add_request([3, 4], SamplingParams(max_tokens=2), request_id="dup")
+    (ok,) = [o for o in engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, **GREEDY))]
+    assert len(ok.token_ids) == 3
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache.pool.num_free_blocks == free
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="^model: architecture 'gpt2'"):
+        Engine(EngineConfig(model=str(tmp_path)))
+
+
+def test_unknown_model_name_is_refused():
+    with pytest.raises(ValueError, match="^model:"):
+        Engine(EngineConfig(model="no-such-model"))
+
+
+def test_mistral_sliding_window(tmp_path):
+    """A sliding window shorter than max_model_len is refused; within the window it is exact."""
+    import torch
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           sliding_window=64, initializer_range=0.2)
+    MistralForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="^max_model_len: .*sliding window"):
+        Engine(EngineConfig(model=str(tmp_path)))
+    engine = make_engine(str(tmp_path), num_blocks=64, max_model_len=64)
+    prompt = list(range(5, 40))
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=20, **GREEDY))
+    assert_equivalent(out.token_ids, hf_greedy(str(tmp_path), prompt, 20), "mistral")
