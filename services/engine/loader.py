@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import importlib.util
-import inspect
 import json
 import os
 import shutil
@@ -156,28 +154,9 @@ def load_gguf(gguf_path: Path) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, **dtype_kwargs(torch.float32)
-    )
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
-
-
-@functools.cache
-def _dtype_keyword() -> str:
-    from transformers import PreTrainedModel
-
-    # The keyword is popped from **kwargs, so it is not in the signature; the source tells.
-    try:
-        source = inspect.getsource(PreTrainedModel.from_pretrained)
-    except (OSError, TypeError):  # no source shipped: `dtype=` exists since 4.56, our floor
-        return "dtype"
-    return "dtype" if 'kwargs.pop("dtype"' in source else "torch_dtype"
-
-
-def dtype_kwargs(dtype: Any) -> dict[str, Any]:
-    """`from_pretrained` keyword for `dtype`: `dtype=` (transformers >= 4.56) or `torch_dtype=`."""
-    return {_dtype_keyword(): dtype}
 
 
 def _drop_quantization(model: Any) -> None:

@@ -77,3 +77,24 @@ def test_default_model_long_prompts(default_model, real_text_ids, length):
     outs, _ = run_to_completion(engine, {"r": (prompt, SamplingParams(max_tokens=32, **GREEDY))})
     assert len(outs["r"]) == 32
     assert_equivalent(outs["r"], hf_greedy(default_model, prompt, 32), f"len={length}")
+
+
+def test_prefill_joins_running_decodes(tiny_model):
+    """A step that mixes decodes of running requests with a new prompt's prefill stays exact."""
+    engine = make_engine(tiny_model, num_blocks=256)
+    first, late = _prompts([20, 45], 512, seed=9)
+    engine.add_request(first, SamplingParams(max_tokens=24, **GREEDY), request_id="first")
+    outs = {}
+    for _ in range(5):
+        engine.step()
+    engine.add_request(late, SamplingParams(max_tokens=16, **GREEDY), request_id="late")
+    mixed_steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.output_token_ids
+        mixed_steps += engine.last_forward_tokens == {"first": 1, "late": 45}
+        engine.check_integrity()
+    assert mixed_steps == 1
+    assert_equivalent(outs["first"], hf_greedy(tiny_model, first, 24), "first")
+    assert_equivalent(outs["late"], hf_greedy(tiny_model, late, 16), "late")

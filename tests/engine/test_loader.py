@@ -134,8 +134,7 @@ def converted() -> Path:
 def gguf_reference() -> tuple[torch.nn.Module, object]:
     """transformers loading the GGUF directly, with no pdserve code in between."""
     gguf = loader.find_default_gguf()
-    kwargs = loader.dtype_kwargs(torch.float32)  # `dtype=` or, before 4.56, `torch_dtype=`
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return model.eval(), tokenizer
 
@@ -143,7 +142,7 @@ def gguf_reference() -> tuple[torch.nn.Module, object]:
 @pytest.fixture(scope="module")
 def converted_model(converted: Path) -> tuple[torch.nn.Module, object, float]:
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(converted, **loader.dtype_kwargs(torch.float32))
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
     load_s = time.perf_counter() - start
     return model.eval(), AutoTokenizer.from_pretrained(converted), load_s
 
