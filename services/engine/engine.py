@@ -126,12 +126,16 @@ class Engine(KVSource):
             self.kv_transfer.revoke(request_id)
             self.release_kv(request_id)
             return
-        request = self.requests.get(request_id)
+        request = self.requests.pop(request_id, None)
         if request is None:
             raise RequestNotFoundError(request_id)
+        if request in self._finished_at_admission:
+            self._finished_at_admission.remove(request)
+            return
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.kv_transfer.complete(request.kv_handle)  # never pulled: let the source unpin now
         self.scheduler.remove_running(request)
         request.finish(RequestStatus.FINISHED_ABORTED)
-        del self.requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.num_running or self.scheduler.num_waiting or self._finished_at_admission)

@@ -126,3 +126,14 @@ def test_role_checks(tiny_llama):
     prefill, decode, _ = _pair(tiny_llama)
     with pytest.raises(InvalidRequestError, match="kv_handle"):
         decode.add_request([1, 2, 3], SamplingParams())
+
+
+def test_abort_on_decode_before_admission_unpins_the_source(tiny_llama):
+    prefill, decode, transfer = _pair(tiny_llama)
+    prefill.add_request(list(range(2, 40)), SamplingParams(max_tokens=4, **GREEDY), request_id="a")
+    (out,) = prefill.step()
+    decode.add_request(list(range(2, 40)), SamplingParams(max_tokens=4, **GREEDY), request_id="a", kv_handle=out.kv_handle)
+    decode.abort("a")
+    assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
+    assert decode.kv_cache.pool.num_free_blocks == decode.kv_cache.num_blocks
+    assert not decode.has_unfinished_requests() and decode.step() == []

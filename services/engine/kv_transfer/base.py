@@ -72,7 +72,8 @@ class KVTransfer(ABC):
 
     @abstractmethod
     def complete(self, handle: KVHandle) -> None:
-        """Destination side: the KV has landed; the source may free its blocks. Idempotent."""
+        """Destination side: done with the handle (the KV landed, or the request was aborted
+        before pulling); the source may free its blocks. Idempotent."""
 
     @abstractmethod
     def revoke(self, request_id: str) -> None:
