@@ -148,9 +148,7 @@ class Engine(KVSource):
         self._finished_at_admission.clear()
         sched = self.scheduler.schedule()
         self.last_step = sched
-        for load in sched.remote_loads:
-            self.kv_cache.write_blocks(load.block_ids[: len(load.handle.block_ids)], self.kv_transfer.pull(load.handle))
-            self.kv_transfer.complete(load.handle)
+        outputs += self._load_remote_kv(sched)
         result = self.runner.execute(sched)
         self.last_forward_tokens = result.num_tokens_by_request
         for request in self.scheduler.update(sched, result.sampled, self.requests):
@@ -161,6 +159,27 @@ class Engine(KVSource):
             else:
                 outputs.append(self._output(request, [request.output_token_ids[-1]]))
         return outputs
+
+    def _load_remote_kv(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """DECODE role: pull each newly admitted request's prompt KV into its blocks.
+
+        A request whose pull fails (the source released or lost it) ends with finish_reason
+        "error" and frees its blocks; the rest of the step goes on without it.
+        """
+        failed = []
+        for load in sched.remote_loads:
+            try:
+                data = self.kv_transfer.pull(load.handle)
+            except RequestNotFoundError:
+                failed.append(self.requests[load.handle.request_id])
+                continue
+            self.kv_cache.write_blocks(load.block_ids[: len(load.handle.block_ids)], data)
+            self.kv_transfer.complete(load.handle)
+        failed_ids = {r.request_id for r in failed}
+        sched.scheduled = [s for s in sched.scheduled if s.request_id not in failed_ids]
+        for request in failed:
+            request.finish(RequestStatus.FINISHED_ERROR)
+        return [self._finish(request) for request in failed]
 
     def _output(self, request: Request, new: list[int], handle: KVHandle | None = None) -> RequestOutput:
         return RequestOutput(

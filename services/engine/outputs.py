@@ -15,7 +15,7 @@ class RequestOutput:
     new_token_ids: list[int]
     output_token_ids: list[int]  # all generated so far
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" (PREFILL role)
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | "prefilled" (PREFILL)
     kv_handle: KVHandle | None = None  # PREFILL role: where the prompt's KV is pinned
 
 

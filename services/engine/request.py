@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "finished_aborted"  # abort() by the caller
     FINISHED_PREFILLED = "finished_prefilled"  # PREFILL role: first token out, KV held for export
+    FINISHED_ERROR = "finished_error"  # DECODE role: the prompt KV could not be pulled
 
     @property
     def is_finished(self) -> bool:
@@ -34,6 +35,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_PREFILLED: "prefilled",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -23,6 +23,12 @@ def _pair(model: str, block_size: int = 16):
     return prefill, decode, transfer
 
 
+def _prefilled(prefill, request_id: str, prompt=(7, 8)):
+    prefill.add_request(list(prompt), SamplingParams(max_tokens=4, **GREEDY), request_id=request_id)
+    (out,) = prefill.step()
+    return out.kv_handle
+
+
 def _disaggregated(prefill, decode, requests):
     """Prefill every request, hand each KV handle to the decode engine, decode to the end."""
     handles = {}
@@ -118,8 +124,12 @@ def test_abort_pinned_request_frees_blocks_and_revokes(tiny_llama):
     assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
     assert transfer.status("a") == TransferStatus.RELEASED
     decode.add_request(list(range(2, 40)), SamplingParams(max_tokens=4, **GREEDY), request_id="a", kv_handle=out.kv_handle)
-    with pytest.raises(KeyError):
-        decode.step()
+    decode.add_request([7, 8], SamplingParams(max_tokens=4, **GREEDY), request_id="b", kv_handle=_prefilled(prefill, "b"))
+    outs = {o.request_id: o for o in decode.step()}
+    assert outs["a"].finished and outs["a"].finish_reason == "error"  # its pull failed
+    assert not outs["b"].finished and decode.last_forward_tokens == {"b": 1}  # the other goes on
+    decode.abort("b")
+    assert decode.kv_cache.pool.num_free_blocks == decode.kv_cache.num_blocks
 
 
 def test_role_checks(tiny_llama):
