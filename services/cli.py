@@ -11,11 +11,14 @@ import json
 import sys
 import time
 
-from services.engine.loader import DEFAULT_MODEL
+# Kept free of torch/transformers imports so `pdserve --help` answers at once.
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="pdserve: disaggregated prefill/decode LLM serving"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="generate with an in-process engine (no servers)")
     source = run.add_mutually_exclusive_group(required=True)
@@ -46,8 +49,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                                  max_model_len=args.max_model_len))
-    if args.prompt_ids:
-        prompt: str | list[int] = [int(t) for t in args.prompt_ids.split(",")]
+    if args.prompt_ids is not None:
+        prompt: str | list[int] = _parse_ids(args.prompt_ids)
     elif args.chat is not None:
         if engine.tokenizer is None:
             raise ValueError("chat: the model folder has no tokenizer")
@@ -83,11 +86,20 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"prompt-ids: expected comma-separated integers, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
+    from services.engine.errors import EngineError
+
     args = _parser().parse_args(argv)
     try:
         return _run(args)
-    except ValueError as exc:  # bad flags or input: one clear line, no traceback
+    except (ValueError, OSError, EngineError) as exc:  # bad flags, input or model folder: one line
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
 

@@ -18,8 +18,3 @@ def cache_dir() -> Path:
     root.mkdir(parents=True, exist_ok=True)
     return root
 
-
-def num_threads() -> int | None:
-    """`$PDSERVE_NUM_THREADS`: torch intra-op threads for an engine, or None for torch's default."""
-    value = os.environ.get("PDSERVE_NUM_THREADS")
-    return int(value) if value else None

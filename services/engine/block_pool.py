@@ -17,7 +17,7 @@ class BlockPool:
     code that reads a block outside a request's own block table.
     """
 
-    def __init__(self, num_blocks: int, *, shuffle: bool = False, seed: int = 0) -> None:
+    def __init__(self, num_blocks: int, *, shuffle: bool = False, seed: int | None = 0) -> None:
         assert num_blocks >= 1
         self.num_blocks = num_blocks
         order = list(range(num_blocks))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,12 +48,12 @@ class EngineConfig:
     """Most requests running in one step."""
     max_num_batched_tokens: int = 8192
     """Most tokens (prompt + decode) computed in one step; a longer prompt is chunked."""
-    seed: int = 0
-    """Seeds block-list shuffling and requests that carry no seed of their own."""
+    seed: int | None = None
+    """Seeds block-list shuffling and the seeds drawn for requests without one; None: random."""
     shuffle_free_blocks: bool = False
     """Hand out blocks in random order (tests use it to catch reads outside a block table)."""
-    engine_id: str = "engine-0"
-    """Name of this engine in KV handles (unique within a cluster)."""
+    engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:12]}")
+    """Name of this engine in KV handles; unique within a cluster (random by default)."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -68,6 +69,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
+        if not self.engine_id:
+            raise ValueError("engine_id: must not be empty")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
 

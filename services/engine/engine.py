@@ -7,9 +7,9 @@ verbs plus the KV hand-off). Services wrap this class; it never imports grpc, ra
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import random
 import time
+import uuid
 
 import torch
 from transformers import AutoTokenizer
@@ -54,7 +54,6 @@ class Engine(KVSource):
         self._finished_at_admission: list[Request] = []  # DECODE: first token already ended it
         self.last_step: SchedulerOutput | None = None
         self.last_forward_tokens: dict[str, int] = {}  # request_id -> tokens the last forward saw
-        self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
 
     # -- requests ------------------------------------------------------------------------------
@@ -72,7 +71,10 @@ class Engine(KVSource):
         Raises InvalidRequestError (empty or too-long prompt, unknown token ids, duplicate id) and
         ResourceExhaustedError (the request could never fit in the KV cache).
         """
-        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id is None:
+            request_id = f"req-{uuid.uuid4().hex}"  # unique cluster-wide, as KV handles need
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
         if request_id in self.requests or request_id in self.pinned:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt_ids = self._tokenize(prompt)
@@ -96,6 +98,8 @@ class Engine(KVSource):
             if self.tokenizer is None:
                 raise InvalidRequestError("prompt", "this model folder has no tokenizer; send token ids")
             return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt_token_ids", "must be integers")
         return list(prompt)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams, kv_handle: KVHandle | None) -> None:
@@ -106,6 +110,7 @@ class Engine(KVSource):
                 "prompt", f"{len(prompt_ids)} tokens; max_model_len is {self.config.max_model_len}"
             )
         self.runner.check_token_ids(prompt_ids, "prompt_token_ids")
+        self.runner.check_token_ids(list(params.stop_token_ids), "stop_token_ids")
         role = self.config.role
         if role == EngineRole.DECODE and kv_handle is None:
             raise InvalidRequestError("kv_handle", "a DECODE engine needs the prompt's KV handle")
@@ -170,8 +175,10 @@ class Engine(KVSource):
         for load in sched.remote_loads:
             try:
                 data = self.kv_transfer.pull(load.handle)
-            except RequestNotFoundError:
+                self._check_layout(data, len(load.handle.block_ids))
+            except (RequestNotFoundError, InvalidRequestError):
                 failed.append(self.requests[load.handle.request_id])
+                self.kv_transfer.complete(load.handle)  # unusable here: let the source unpin
                 continue
             self.kv_cache.write_blocks(load.block_ids[: len(load.handle.block_ids)], data)
             self.kv_transfer.complete(load.handle)
@@ -180,6 +187,15 @@ class Engine(KVSource):
         for request in failed:
             request.finish(RequestStatus.FINISHED_ERROR)
         return [self._finish(request) for request in failed]
+
+    def _check_layout(self, data: torch.Tensor, num_blocks: int) -> None:
+        """The pulled KV must have exactly this engine's layout (no silent reshapes or casts)."""
+        spec = self.kv_cache.spec
+        want = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        if tuple(data.shape) != want or data.dtype != spec.dtype:
+            raise InvalidRequestError(
+                "kv_handle", f"KV layout {tuple(data.shape)} {data.dtype} does not match {want} {spec.dtype}"
+            )
 
     def _output(self, request: Request, new: list[int], handle: KVHandle | None = None) -> RequestOutput:
         return RequestOutput(
@@ -224,6 +240,10 @@ class Engine(KVSource):
         self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[CompletionOutput]:
         """Run prompts to completion (BOTH role); outputs in prompt order."""
+        if self.config.role != EngineRole.BOTH:
+            raise InvalidRequestError("role", f"generate() needs a BOTH engine, not {self.config.role.name}")
+        if self.has_unfinished_requests():
+            raise InvalidRequestError("generate", "the engine has requests in flight; drive them with step()")
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         prompt_ids = {rid: list(self.requests[rid].prompt_token_ids) for rid in ids}

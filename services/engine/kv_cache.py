@@ -35,15 +35,20 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def num_blocks_for(self, memory_bytes: int) -> int:
-        """Blocks that fit in `memory_bytes` (at least 1)."""
-        return max(1, memory_bytes // self.bytes_per_block)
+        """Blocks that fit in `memory_bytes`; ValueError naming the field if not even one does."""
+        if memory_bytes < self.bytes_per_block:
+            raise ValueError(
+                f"kv_cache_memory_bytes: {memory_bytes} bytes hold no block "
+                f"({self.bytes_per_block} bytes each at block_size {self.block_size})"
+            )
+        return memory_bytes // self.bytes_per_block
 
 
 class KVCache:
     """K/V tensors for all layers plus the block pool that manages their blocks."""
 
     def __init__(
-        self, spec: KVCacheSpec, num_blocks: int, device: str, *, shuffle: bool = False, seed: int = 0
+        self, spec: KVCacheSpec, num_blocks: int, device: str, *, shuffle: bool = False, seed: int | None = 0
     ) -> None:
         self.spec = spec
         self.num_blocks = num_blocks

@@ -16,10 +16,8 @@ LENS = [1, 15, 16, 17, 33, 100]
 
 def _pair(model: str, block_size: int = 16):
     transfer = InMemoryKVTransfer()
-    prefill = make_engine(model, role=EngineRole.PREFILL, engine_id="p0", block_size=block_size, num_blocks=512)
-    decode = make_engine(model, role=EngineRole.DECODE, engine_id="d0", block_size=block_size, num_blocks=512)
-    prefill.kv_transfer = decode.kv_transfer = transfer
-    transfer.register_source("p0", prefill)
+    prefill = make_engine(model, role=EngineRole.PREFILL, block_size=block_size, num_blocks=512, kv_transfer=transfer)
+    decode = make_engine(model, role=EngineRole.DECODE, block_size=block_size, num_blocks=512, kv_transfer=transfer)
     return prefill, decode, transfer
 
 
@@ -147,3 +145,18 @@ def test_abort_on_decode_before_admission_unpins_the_source(tiny_llama):
     assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
     assert decode.kv_cache.pool.num_free_blocks == decode.kv_cache.num_blocks
     assert not decode.has_unfinished_requests() and decode.step() == []
+
+
+@pytest.mark.parametrize("decode_config", [dict(block_size=8), dict(dtype="bfloat16")])
+def test_layout_mismatch_is_refused_without_harm(tiny_llama, decode_config):
+    """KV from an engine with another block_size or dtype is never written into the cache."""
+    transfer = InMemoryKVTransfer()
+    prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=64, kv_transfer=transfer)
+    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=64, kv_transfer=transfer, **decode_config)
+    handle = _prefilled(prefill, "a", prompt=range(2, 30))
+    decode.add_request(list(range(2, 30)), SamplingParams(max_tokens=4, **GREEDY), request_id="a", kv_handle=handle)
+    (out,) = decode.step()
+    assert out.finished and out.finish_reason == "error"
+    assert decode.kv_cache.pool.num_free_blocks == 64
+    assert prefill.kv_cache.pool.num_free_blocks == 64  # the source was told to unpin
+    decode.check_integrity()

@@ -19,6 +19,13 @@ from tests.reference import assert_equivalent, hf_greedy
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature="0.5"), "temperature"),
+        (dict(seed=1.5), "seed"),
+        (dict(stop_token_ids=(-1,)), "stop_token_ids"),
     ],
 )
 def test_sampling_params_name_the_field(kwargs, field):
@@ -35,6 +42,7 @@ def test_sampling_params_name_the_field(kwargs, field):
         (dict(num_blocks=0), "num_blocks"),
         (dict(max_num_seqs=0), "max_num_seqs"),
         (dict(max_model_len=0), "max_model_len"),
+        (dict(engine_id=""), "engine_id"),
     ],
 )
 def test_engine_config_names_the_field(kwargs, field):
@@ -50,6 +58,9 @@ def test_bad_requests_are_refused_and_leave_no_trace(tiny_llama):
         (list(range(2, 70)), SamplingParams(), "prompt"),
         ([1, 2, 512], SamplingParams(), "prompt_token_ids"),
         ([1, -1], SamplingParams(), "prompt_token_ids"),
+        ([3.7, 4], SamplingParams(), "prompt_token_ids"),
+        ([True, 5], SamplingParams(), "prompt_token_ids"),
+        ([3, 4], SamplingParams(stop_token_ids=(600,)), "stop_token_ids"),
     ]
     for prompt, params, field in cases:
         with pytest.raises(InvalidRequestError, match=f"^{field}:") as info:
@@ -62,6 +73,7 @@ def test_bad_requests_are_refused_and_leave_no_trace(tiny_llama):
     engine.add_request([3, 4], SamplingParams(max_tokens=2), request_id="dup")
     with pytest.raises(InvalidRequestError, match="^request_id:"):
         engine.add_request([3, 4], SamplingParams(max_tokens=2), request_id="dup")
+    engine.abort("dup")
     (ok,) = [o for o in engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, **GREEDY))]
     assert len(ok.token_ids) == 3
     while engine.has_unfinished_requests():
@@ -97,3 +109,24 @@ def test_mistral_sliding_window(tmp_path):
     prompt = list(range(5, 40))
     (out,) = engine.generate([prompt], SamplingParams(max_tokens=20, **GREEDY))
     assert_equivalent(out.token_ids, hf_greedy(str(tmp_path), prompt, 20), "mistral")
+
+
+def test_vanishing_temperature_is_greedy(tiny_llama):
+    engine = make_engine(tiny_llama, num_blocks=64)
+    (greedy,) = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=8, **GREEDY))
+    (tiny,) = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True))
+    assert tiny.token_ids == greedy.token_ids
+
+
+def test_generate_refuses_when_it_would_swallow_other_requests(tiny_llama):
+    engine = make_engine(tiny_llama, num_blocks=64)
+    engine.add_request([4, 5], SamplingParams(max_tokens=2), request_id="mine")
+    with pytest.raises(InvalidRequestError, match="^generate:"):
+        engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="^request_id:"):
+        engine.add_request([4, 5], SamplingParams(max_tokens=2), request_id="")
+
+
+def test_kv_memory_budget_must_hold_a_block(tiny_llama):
+    with pytest.raises(ValueError, match="^kv_cache_memory_bytes:"):
+        make_engine(tiny_llama, block_size=4096, kv_cache_memory_bytes=1 << 20)
