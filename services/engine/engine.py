@@ -16,7 +16,12 @@ from transformers import AutoTokenizer
 
 from services.engine.config import EngineConfig, EngineRole
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.errors import InvalidRequestError, RequestNotFoundError, ResourceExhaustedError
+from services.engine.errors import (
+    InvalidRequestError,
+    KVTransferError,
+    RequestNotFoundError,
+    ResourceExhaustedError,
+)
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer.base import KVHandle, KVSource, KVTransfer
 from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
@@ -176,7 +181,7 @@ class Engine(KVSource):
             try:
                 data = self.kv_transfer.pull(load.handle)
                 self._check_layout(data, len(load.handle.block_ids))
-            except (RequestNotFoundError, InvalidRequestError):
+            except (RequestNotFoundError, InvalidRequestError, KVTransferError):
                 failed.append(self.requests[load.handle.request_id])
                 self.kv_transfer.complete(load.handle)  # unusable here: let the source unpin
                 continue

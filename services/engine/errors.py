@@ -24,3 +24,7 @@ class ResourceExhaustedError(EngineError):
 
 class RequestNotFoundError(EngineError, KeyError):
     """Unknown request id (-> NOT_FOUND)."""
+
+
+class KVTransferError(EngineError):
+    """Pulling a request's KV from its source failed (peer gone, stalled, or refused)."""

@@ -16,15 +16,21 @@ class InMemoryKVTransfer(KVTransfer):
     def __init__(self) -> None:
         self._sources: dict[str, KVSource] = {}
         self._status: dict[str, TransferStatus] = {}
+        self._owner: dict[str, str] = {}  # request_id -> engine_id of the source that published it
         self._lock = threading.Lock()
         self.bytes_transferred = 0
 
     def register_source(self, engine_id: str, source: KVSource) -> None:
         self._sources[engine_id] = source
 
+    def is_local(self, handle: KVHandle) -> bool:
+        """Whether the handle's source engine is registered with this transfer."""
+        return handle.engine_id in self._sources
+
     def publish(self, handle: KVHandle) -> None:
         with self._lock:
             self._status[handle.request_id] = TransferStatus.PUBLISHED
+            self._owner[handle.request_id] = handle.engine_id
 
     def pull(self, handle: KVHandle) -> torch.Tensor:
         with self._lock:
@@ -36,12 +42,18 @@ class InMemoryKVTransfer(KVTransfer):
         return data
 
     def complete(self, handle: KVHandle) -> None:
+        self.release(handle.request_id)
+
+    def release(self, request_id: str) -> bool:
+        """Mark a published transfer completed and unpin it at its source; False if not published
+        (late or duplicate completions are harmless)."""
         with self._lock:
-            if self._status.get(handle.request_id) != TransferStatus.PUBLISHED:
-                return  # late or duplicate completion: harmless
-            self._status[handle.request_id] = TransferStatus.COMPLETED
-            source = self._sources[handle.engine_id]
-        source.release_kv(handle.request_id)
+            if self._status.get(request_id) != TransferStatus.PUBLISHED:
+                return False
+            self._status[request_id] = TransferStatus.COMPLETED
+            source = self._sources[self._owner[request_id]]
+        source.release_kv(request_id)
+        return True
 
     def revoke(self, request_id: str) -> None:
         with self._lock:

@@ -1,0 +1,1 @@
+"""What the services share: gRPC plumbing, error mapping, metrics, conversion, KV transfer."""

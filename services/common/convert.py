@@ -1,0 +1,85 @@
+"""The one module that converts between protobuf messages and engine dataclasses."""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.pb import common_pb2
+from services.engine.kv_cache import KVCacheSpec
+from services.engine.kv_transfer.base import KVHandle
+from services.engine.sampling_params import SamplingParams
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+KV_TENSOR_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take the engine defaults; ValueError names a bad field."""
+    kwargs = {
+        name: getattr(msg, name)
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed")
+        if msg.HasField(name)
+    }
+    return SamplingParams(**kwargs, ignore_eos=msg.ignore_eos, stop_token_ids=tuple(msg.stop_token_ids))
+
+
+def sampling_to_proto(params: SamplingParams, stop: list[str] | None = None) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k, ignore_eos=params.ignore_eos, stop_token_ids=list(params.stop_token_ids),
+        stop=stop or [],
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def handle_to_proto(handle: KVHandle, source: str) -> common_pb2.KVHandle:
+    return common_pb2.KVHandle(
+        request_id=handle.request_id, engine_id=handle.engine_id, block_ids=list(handle.block_ids),
+        num_tokens=handle.num_tokens, first_token_id=handle.first_token_id, source=source,
+    )
+
+
+def handle_from_proto(msg: common_pb2.KVHandle) -> tuple[KVHandle, str]:
+    """(engine handle, HOST:PORT of the source's KVTransfer service)."""
+    handle = KVHandle(msg.request_id, msg.engine_id, tuple(msg.block_ids), msg.num_tokens, msg.first_token_id)
+    return handle, msg.source
+
+
+def layout_to_proto(spec: KVCacheSpec) -> common_pb2.KVLayout:
+    return common_pb2.KVLayout(
+        num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        block_size=spec.block_size, dtype=_DTYPE_NAMES[spec.dtype], layout=KV_TENSOR_LAYOUT,
+    )
+
+
+def layout_from_proto(msg: common_pb2.KVLayout) -> KVCacheSpec:
+    """Raises ValueError for an unknown dtype or tensor layout."""
+    if msg.dtype not in _DTYPES:
+        raise ValueError(f"kv_layout.dtype: unknown {msg.dtype!r}")
+    if msg.layout != KV_TENSOR_LAYOUT:
+        raise ValueError(f"kv_layout.layout: expected {KV_TENSOR_LAYOUT!r}, got {msg.layout!r}")
+    return KVCacheSpec(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, _DTYPES[msg.dtype])
+
+
+def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
+    """Raw C-order bytes of a CPU copy (bfloat16 goes through an int16 view; numpy lacks it)."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy().tobytes()
+
+
+def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of `tensor_to_bytes`; raises ValueError if the byte count does not fit the shape."""
+    flat = torch.frombuffer(bytearray(data), dtype=torch.int16 if dtype == torch.bfloat16 else dtype)
+    if flat.numel() != torch.Size(shape).numel():
+        raise ValueError(f"kv chunk: {len(data)} bytes do not fill {shape} {dtype}")
+    flat = flat.view(torch.bfloat16) if dtype == torch.bfloat16 else flat
+    return flat.view(shape)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES[dtype]

@@ -1,0 +1,89 @@
+"""The one place that maps exceptions to gRPC status codes (ARCHITECTURE.md, style rule 9).
+
+`ErrorInterceptor` wraps every handler of a server: typed engine errors and ValueError become
+INVALID_ARGUMENT / RESOURCE_EXHAUSTED / NOT_FOUND, a failed downstream call keeps its code
+(UNAVAILABLE, DEADLINE_EXCEEDED, ...), anything else is INTERNAL and logged once with its stack.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from services.engine.errors import InvalidRequestError, RequestNotFoundError, ResourceExhaustedError
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceUnavailableError(Exception):
+    """No healthy worker, or a peer died (-> UNAVAILABLE)."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """(code, details) for an exception raised inside a handler."""
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return exc.code(), exc.details() or ""
+    if isinstance(exc, (InvalidRequestError, ValueError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, ResourceExhaustedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, RequestNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc.args[0] if exc.args else exc)
+    if isinstance(exc, ServiceUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+    code, details = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.exception("internal error in handler", exc_info=exc)
+    else:
+        logger.info("request failed: %s %s", code.name, details)
+    context.abort(code, details)
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Maps exceptions from unary and server-streaming handlers to gRPC statuses."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+def _wrap_unary(behavior: Callable) -> Callable:
+    def wrapped(request, context):
+        try:
+            return behavior(request, context)
+        except Exception as exc:  # noqa: BLE001 - the one place errors become statuses
+            if context.code() is not None:  # already aborted by the handler itself
+                raise
+            _abort(context, exc)
+
+    return wrapped
+
+
+def _wrap_stream(behavior: Callable) -> Callable:
+    def wrapped(request, context) -> Iterator:
+        try:
+            yield from behavior(request, context)
+        except Exception as exc:  # noqa: BLE001
+            if context.code() is not None:
+                raise
+            _abort(context, exc)
+
+    return wrapped

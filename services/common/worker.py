@@ -1,0 +1,88 @@
+"""What the prefill and decode worker processes share: engine config from flags, info, waiting."""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import time
+
+import grpc
+
+from services.common.convert import layout_to_proto
+from services.common.engine_loop import EngineLoop
+from services.common.pb import common_pb2
+from services.engine import EngineConfig, EngineRole
+from services.engine.outputs import RequestOutput
+
+_POLL_SECONDS = 0.05
+
+
+def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
+    """EngineConfig from the worker flags (ValueError names a bad field)."""
+    optional = {"engine_id": args.engine_id} if getattr(args, "engine_id", None) else {}
+    return EngineConfig(
+        model=args.model, role=role, dtype=args.dtype, block_size=args.block_size,
+        max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, **optional,
+    )
+
+
+def worker_info(loop: EngineLoop, role: str) -> common_pb2.WorkerInfo:
+    """A snapshot of the worker's engine, taken under the engine lock."""
+    engine = loop.engine
+    with loop.lock:
+        pool = engine.kv_cache.pool
+        return common_pb2.WorkerInfo(
+            role=role, engine_id=engine.config.engine_id, model=engine.config.model,
+            kv_layout=layout_to_proto(engine.kv_cache.spec), max_model_len=engine.config.max_model_len,
+            vocab_size=engine.runner.vocab_size, num_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
+            num_pinned_blocks=sum(len(r.block_table) for r in engine.pinned.values()),
+            num_running=engine.scheduler.num_running, num_waiting=engine.scheduler.num_waiting,
+            num_prompt_tokens_computed=engine.scheduler.num_prompt_tokens_computed,
+            max_step_tokens_per_request=loop.max_step_tokens_per_request,
+        )
+
+
+def next_output(stream: queue.Queue, context: grpc.ServicerContext) -> RequestOutput | None:
+    """The request's next output; None once the caller has cancelled or its deadline passed.
+
+    Raises the exception the engine loop put on the stream (a failed step).
+    """
+    while context.is_active():
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return None
+        try:
+            item = stream.get(timeout=_POLL_SECONDS)
+        except queue.Empty:
+            continue
+        if isinstance(item, BaseException):
+            raise item
+        return item
+    return None
+
+
+class PinLeases:
+    """Prefill side: when each pinned request was handed off; frees pins older than the lease.
+
+    Runs as an EngineLoop idle hook (on the loop thread, under the engine lock).
+    """
+
+    def __init__(self, loop: EngineLoop, lease_s: float) -> None:
+        self.loop = loop
+        self.lease_s = lease_s
+        self._since: dict[str, float] = {}
+
+    def pinned(self, request_id: str) -> None:
+        self._since[request_id] = time.monotonic()
+
+    def expire(self) -> None:
+        engine = self.loop.engine
+        now = time.monotonic()
+        for request_id, since in list(self._since.items()):
+            if request_id not in engine.pinned:
+                del self._since[request_id]  # released by its decode worker
+            elif now - since > self.lease_s:
+                del self._since[request_id]
+                self.loop.abort(request_id)

@@ -1,0 +1,70 @@
+"""Decode worker process: a gRPC adapter around an engine in DECODE role.
+
+Each Decode call names a prefill worker's KV handle; the engine allocates local blocks, pulls the
+prompt KV over gRPC (in chunks of at most 4 MiB), releases the prefill pin, joins the running
+batch and streams one token per step. A cancelled call aborts the request and frees its blocks
+at once (and, if the KV never landed, tells the prefill worker to unpin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from services.common.convert import handle_from_proto, sampling_from_proto
+from services.common.engine_loop import EngineLoop
+from services.common.errors import ServiceUnavailableError
+from services.common.kv_transfer_grpc import GrpcKVTransfer
+from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.server import start_service, wait_for_termination
+from services.common.worker import engine_config, next_output, worker_info
+from services.engine import Engine, EngineRole
+from services.engine.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeServicer):
+    def __init__(self, loop: EngineLoop, transfer: GrpcKVTransfer) -> None:
+        self.loop = loop
+        self.transfer = transfer
+
+    def Decode(self, request, context):
+        if not request.request_id or not request.HasField("kv_handle"):
+            raise InvalidRequestError("kv_handle", "a decode request needs request_id and the prefill's kv_handle")
+        handle, source = handle_from_proto(request.kv_handle)
+        self.transfer.set_source(request.request_id, source)
+        params = sampling_from_proto(request.sampling)
+        stream = self.loop.submit(request.request_id, list(request.prompt_token_ids), params, kv_handle=handle)
+        try:
+            while (out := next_output(stream, context)) is not None:
+                if out.finish_reason == "error":
+                    raise ServiceUnavailableError(f"prompt KV of {request.request_id!r} could not be pulled from {source}")
+                yield worker_pb2.DecodeResponse(
+                    # A request that ended at admission has only the prefill's first token: none new.
+                    token_ids=out.new_token_ids if len(out.output_token_ids) > 1 else [],
+                    finish_reason=out.finish_reason if out.finished else "",
+                    kv_transfer_seconds=self.transfer.pull_seconds.pop(request.request_id, 0.0),
+                )
+                if out.finished:
+                    return
+        finally:
+            self.loop.abort(request.request_id)  # no-op once finished; frees blocks on cancel
+            self.transfer.pull_seconds.pop(request.request_id, None)
+
+    def GetInfo(self, request, context):
+        return worker_info(self.loop, "decode")
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Start the decode worker, print its ready line, block until SIGINT/SIGTERM."""
+    transfer = GrpcKVTransfer("decode", timeout_s=args.kv_transfer_timeout, zero_block=args.debug_zero_kv_block)
+    engine = Engine(engine_config(args, EngineRole.DECODE), transfer)
+    loop = EngineLoop(engine, "decode")
+    service = start_service(
+        "decode", [(worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(loop, transfer), "pdserve.v1.Decode")],
+        args.host, args.port, args.metrics_port,
+    )
+    loop.start()
+    print(service.ready_line(engine_id=engine.config.engine_id), flush=True)
+    wait_for_termination(service, on_stop=loop.stop)

@@ -1,0 +1,74 @@
+"""Prefill worker process: a gRPC adapter around an engine in PREFILL role.
+
+Prefill runs the prompt, samples the first token, and keeps the prompt's blocks pinned under a
+lease (`--kv-lease-seconds`, default 30 s) until a decode worker pulls them and calls ReleaseKV;
+a lapsed lease frees them (vLLM's NIXL KV-cache lease follows the same idea).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import uuid
+
+from services.common.convert import handle_to_proto, sampling_from_proto
+from services.common.engine_loop import EngineLoop
+from services.common.kv_transfer_grpc import GrpcKVTransfer, KVTransferServicer
+from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.server import start_service, wait_for_termination
+from services.common.worker import PinLeases, engine_config, next_output, worker_info
+from services.engine import Engine, EngineRole
+from services.engine.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillServicer):
+    def __init__(self, loop: EngineLoop, leases: PinLeases) -> None:
+        self.loop = loop
+        self.leases = leases
+        self.kv_address = ""  # HOST:PORT of this process's KVTransfer service, set once bound
+
+    def Prefill(self, request, context):
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        if not request.prompt_token_ids:
+            raise InvalidRequestError("prompt_token_ids", "must not be empty")
+        params = sampling_from_proto(request.sampling)
+        stream = self.loop.submit(request_id, list(request.prompt_token_ids), params)
+        out = next_output(stream, context)
+        if out is None:  # the router went away or its deadline passed: nothing stays pinned
+            self.loop.abort(request_id)
+            return worker_pb2.PrefillResponse()
+        if out.kv_handle is None:  # the first token already finished the request
+            return worker_pb2.PrefillResponse(first_token_id=out.new_token_ids[0], finish_reason=out.finish_reason)
+        with self.loop.lock:
+            self.leases.pinned(request_id)
+        return worker_pb2.PrefillResponse(
+            first_token_id=out.new_token_ids[0], kv_handle=handle_to_proto(out.kv_handle, self.kv_address)
+        )
+
+    def GetInfo(self, request, context):
+        return worker_info(self.loop, "prefill")
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Start the prefill worker, print its ready line, block until SIGINT/SIGTERM."""
+    transfer = GrpcKVTransfer("prefill")
+    engine = Engine(engine_config(args, EngineRole.PREFILL), transfer)
+    loop = EngineLoop(engine, "prefill")
+    leases = PinLeases(loop, args.kv_lease_seconds)
+    loop.add_idle_hook(leases.expire)
+    prefill = PrefillServicer(loop, leases)
+    kv = KVTransferServicer(transfer, loop.lock, engine.kv_cache.spec)
+    service = start_service(
+        "prefill",
+        [
+            (worker_pb2_grpc.add_PrefillServicer_to_server, prefill, "pdserve.v1.Prefill"),
+            (worker_pb2_grpc.add_KVTransferServicer_to_server, kv, "pdserve.v1.KVTransfer"),
+        ],
+        args.host, args.port, args.metrics_port,
+    )
+    prefill.kv_address = service.grpc_address
+    loop.start()
+    print(service.ready_line(engine_id=engine.config.engine_id), flush=True)
+    wait_for_termination(service, on_stop=loop.stop)
