@@ -24,6 +24,11 @@ def default_dtype(device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an `Engine` needs; validated at construction (ValueError naming the field)."""
@@ -65,14 +70,16 @@ class EngineConfig:
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
+            _check_positive_int(name, getattr(self, name))
+        for name in ("num_blocks", "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if not self.engine_id:
             raise ValueError("engine_id: must not be empty")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device: {self.device!r} requested but CUDA is not available")
 
     @property
     def torch_dtype(self) -> torch.dtype:

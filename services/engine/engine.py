@@ -7,6 +7,7 @@ verbs plus the KV hand-off). Services wrap this class; it never imports grpc, ra
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import random
 import time
 import uuid
@@ -83,7 +84,7 @@ class Engine(KVSource):
         if request_id in self.requests or request_id in self.pinned:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt_ids = self._tokenize(prompt)
-        self._validate(prompt_ids, params, kv_handle)
+        self._validate(request_id, prompt_ids, params, kv_handle)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id, prompt_ids, params, seed, self.eos_token_id, time.monotonic(), kv_handle)
         if kv_handle is not None:
@@ -103,11 +104,15 @@ class Engine(KVSource):
             if self.tokenizer is None:
                 raise InvalidRequestError("prompt", "this model folder has no tokenizer; send token ids")
             return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError("prompt_token_ids", "must be integers")
-        return list(prompt)
+        if prompt is None or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt_token_ids", "must be a string or a list of integers")
+        return [int(t) for t in prompt]
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams, kv_handle: KVHandle | None) -> None:
+    def _validate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_handle: KVHandle | None
+    ) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
         if not prompt_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         if len(prompt_ids) >= self.config.max_model_len:
@@ -121,14 +126,29 @@ class Engine(KVSource):
             raise InvalidRequestError("kv_handle", "a DECODE engine needs the prompt's KV handle")
         if role != EngineRole.DECODE and kv_handle is not None:
             raise InvalidRequestError("kv_handle", f"a {role.name} engine computes its own prompt KV")
-        if kv_handle is not None and kv_handle.num_tokens != len(prompt_ids):
-            raise InvalidRequestError("kv_handle", "num_tokens does not match the prompt length")
-        max_len = min(len(prompt_ids) + params.max_tokens, self.config.max_model_len)
+        if kv_handle is not None:
+            self._validate_handle(kv_handle, request_id, len(prompt_ids))
+        # A PREFILL engine only ever holds the prompt (+ the first token) before the hand-off.
+        max_tokens = 1 if role == EngineRole.PREFILL else params.max_tokens
+        max_len = min(len(prompt_ids) + max_tokens, self.config.max_model_len)
         needed = -(-max_len // self.config.block_size)
         if needed > self.kv_cache.num_blocks:
             raise ResourceExhaustedError(
                 f"request needs {needed} KV blocks, the cache has {self.kv_cache.num_blocks}"
             )
+
+    def _validate_handle(self, handle: KVHandle, request_id: str, num_prompt_tokens: int) -> None:
+        """A handle must describe exactly this request's prompt in this engine's block size."""
+        if handle.request_id != request_id:
+            raise InvalidRequestError("kv_handle", f"is for request {handle.request_id!r}, not {request_id!r}")
+        if handle.num_tokens != num_prompt_tokens:
+            raise InvalidRequestError("kv_handle", "num_tokens does not match the prompt length")
+        if len(handle.block_ids) != -(-num_prompt_tokens // self.config.block_size):
+            raise InvalidRequestError(
+                "kv_handle", f"{len(handle.block_ids)} blocks cannot hold {num_prompt_tokens} tokens "
+                f"at block_size {self.config.block_size}"
+            )
+        self.runner.check_token_ids([handle.first_token_id], "kv_handle.first_token_id")
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks. Raises RequestNotFoundError for an unknown id."""
@@ -182,7 +202,7 @@ class Engine(KVSource):
                 data = self.kv_transfer.pull(load.handle)
                 self._check_layout(data, len(load.handle.block_ids))
             except (RequestNotFoundError, InvalidRequestError, KVTransferError):
-                failed.append(self.requests[load.handle.request_id])
+                failed.append(self.requests[load.request_id])
                 self.kv_transfer.complete(load.handle)  # unusable here: let the source unpin
                 continue
             self.kv_cache.write_blocks(load.block_ids[: len(load.handle.block_ids)], data)
@@ -250,7 +270,16 @@ class Engine(KVSource):
         if self.has_unfinished_requests():
             raise InvalidRequestError("generate", "the engine has requests in flight; drive them with step()")
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError("sampling_params", f"{len(params_list)} for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params_list):
+                ids.append(self.add_request(prompt, sp))
+        except Exception:
+            for request_id in ids:  # all or nothing: a bad prompt leaves no request behind
+                self.abort(request_id)
+            raise
         prompt_ids = {rid: list(self.requests[rid].prompt_token_ids) for rid in ids}
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):

@@ -32,8 +32,9 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class RemoteLoad:
-    """DECODE role: copy `handle`'s blocks into `block_ids` before the step runs."""
+    """DECODE role: copy `handle`'s blocks into request `request_id`'s `block_ids` before the step."""
 
+    request_id: str
     handle: KVHandle
     block_ids: list[int]
 
@@ -104,7 +105,7 @@ class Scheduler:
                     break
                 request.num_computed_tokens = request.kv_handle.num_tokens
                 num_new = request.num_tokens - request.num_computed_tokens
-                out.remote_loads.append(RemoteLoad(request.kv_handle, list(request.block_table)))
+                out.remote_loads.append(RemoteLoad(request.request_id, request.kv_handle, list(request.block_table)))
             else:
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
                 if not self.kv_cache.allocate_slots(request, num_new):

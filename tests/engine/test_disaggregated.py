@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -147,12 +148,37 @@ def test_abort_on_decode_before_admission_unpins_the_source(tiny_llama):
     assert not decode.has_unfinished_requests() and decode.step() == []
 
 
-@pytest.mark.parametrize("decode_config", [dict(block_size=8), dict(dtype="bfloat16")])
-def test_layout_mismatch_is_refused_without_harm(tiny_llama, decode_config):
-    """KV from an engine with another block_size or dtype is never written into the cache."""
+def test_block_size_mismatch_is_refused_at_admission(tiny_llama):
     transfer = InMemoryKVTransfer()
     prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=64, kv_transfer=transfer)
-    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=64, kv_transfer=transfer, **decode_config)
+    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=64, kv_transfer=transfer, block_size=8)
+    handle = _prefilled(prefill, "a", prompt=range(2, 30))
+    with pytest.raises(InvalidRequestError, match="^kv_handle: 2 blocks cannot hold 28 tokens at block_size 8"):
+        decode.add_request(list(range(2, 30)), SamplingParams(max_tokens=4), request_id="a", kv_handle=handle)
+    assert not decode.has_unfinished_requests()
+
+
+def test_handle_must_match_the_request(tiny_llama):
+    prefill, decode, transfer = _pair(tiny_llama)
+    handle = _prefilled(prefill, "a", prompt=range(2, 30))
+    cases = [
+        (dict(request_id="other"), "is for request 'a'"),
+        (dict(prompt=list(range(2, 31))), "num_tokens"),
+        (dict(kv_handle=dataclasses.replace(handle, block_ids=handle.block_ids[:1])), "blocks cannot hold"),
+        (dict(kv_handle=dataclasses.replace(handle, first_token_id=10**6)), "first_token_id"),
+    ]
+    for overrides, message in cases:
+        kwargs = {"prompt": list(range(2, 30)), "request_id": "a", "kv_handle": handle, **overrides}
+        with pytest.raises(InvalidRequestError, match=message):
+            decode.add_request(kwargs.pop("prompt"), SamplingParams(max_tokens=4), **kwargs)
+    assert not decode.has_unfinished_requests() and decode.kv_cache.pool.num_used_blocks == 0
+
+
+def test_dtype_mismatch_is_refused_without_harm(tiny_llama):
+    """KV from an engine with another dtype is never written into the cache."""
+    transfer = InMemoryKVTransfer()
+    prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=64, kv_transfer=transfer)
+    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=64, kv_transfer=transfer, dtype="bfloat16")
     handle = _prefilled(prefill, "a", prompt=range(2, 30))
     decode.add_request(list(range(2, 30)), SamplingParams(max_tokens=4, **GREEDY), request_id="a", kv_handle=handle)
     (out,) = decode.step()

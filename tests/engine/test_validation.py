@@ -130,3 +130,26 @@ def test_generate_refuses_when_it_would_swallow_other_requests(tiny_llama):
 def test_kv_memory_budget_must_hold_a_block(tiny_llama):
     with pytest.raises(ValueError, match="^kv_cache_memory_bytes:"):
         make_engine(tiny_llama, block_size=4096, kv_cache_memory_bytes=1 << 20)
+
+
+def test_generate_is_all_or_nothing(tiny_llama):
+    engine = make_engine(tiny_llama, num_blocks=64)
+    with pytest.raises(InvalidRequestError, match="^prompt_token_ids:"):
+        engine.generate([[3, 4, 5], [10**6]], SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished_requests() and engine.kv_cache.pool.num_used_blocks == 0
+    with pytest.raises(InvalidRequestError, match="^sampling_params:"):
+        engine.generate([[3], [4], [5]], [SamplingParams(max_tokens=2)])
+    (out,) = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=2))
+    assert len(out.token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [(dict(block_size=2.5), "block_size"), (dict(block_size=True), "block_size"), (dict(seed=1.5), "seed"),
+     (dict(max_model_len=100.5), "max_model_len"), (dict(device="cuda"), "device")],
+)
+def test_engine_config_types(kwargs, field):
+    if field == "device" and __import__("torch").cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        EngineConfig(**kwargs)

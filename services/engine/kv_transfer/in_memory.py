@@ -34,9 +34,9 @@ class InMemoryKVTransfer(KVTransfer):
 
     def pull(self, handle: KVHandle) -> torch.Tensor:
         with self._lock:
-            if self._status.get(handle.request_id) != TransferStatus.PUBLISHED:
+            source = self._sources.get(handle.engine_id)
+            if self._status.get(handle.request_id) != TransferStatus.PUBLISHED or source is None:
                 raise RequestNotFoundError(f"no published KV for request {handle.request_id!r}")
-            source = self._sources[handle.engine_id]
         data = source.read_kv(handle)
         self.bytes_transferred += data.numel() * data.element_size()
         return data
