@@ -1,18 +1,22 @@
 """`pdserve` command line.
 
-`pdserve run` drives an in-process engine (no servers) and streams the answer; the cluster
-commands (`serve`, `prefill`, `decode`, `router`, `generate`) arrive with the services.
+`run` drives an in-process engine (no servers); `serve` starts a local cluster (router + prefill
+and decode pools as processes, services/launcher.py); `prefill`, `decode` and `router` start one
+service each; `generate` is a client of the router (services/client.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 
-# Kept free of torch/transformers imports so `pdserve --help` answers at once.
+# Kept free of torch/transformers/grpc imports so `pdserve --help` answers at once: every command
+# imports what it needs inside its own function.
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DTYPES = ["float32", "bfloat16", "float16"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,23 +24,115 @@ def _parser() -> argparse.ArgumentParser:
         prog="pdserve", description="pdserve: disaggregated prefill/decode LLM serving"
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="generate with an in-process engine (no servers)")
-    source = run.add_mutually_exclusive_group(required=True)
+    _add_run(commands.add_parser("run", help="generate with an in-process engine (no servers)"))
+    _add_serve(commands.add_parser("serve", help="start a local cluster: router + prefill and decode pools"))
+    for role in ("prefill", "decode"):
+        _add_worker(commands.add_parser(role, help=f"start one {role} worker"), role)
+    _add_router(commands.add_parser("router", help="start the router (public Generate API)"))
+    _add_generate(commands.add_parser("generate", help="send one request to a router and stream the answer"))
+    return parser
+
+
+def _add_prompt_source(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="raw prompt text")
     source.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     source.add_argument("--chat", help="one user message, formatted with the model's chat template")
+
+
+def _add_sampling(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1, help="-1 disables")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+
+
+def _add_run(run: argparse.ArgumentParser) -> None:
+    _add_prompt_source(run)
     run.add_argument("--model", default=DEFAULT_MODEL)
-    run.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    run.add_argument("--dtype", default=None, choices=DTYPES)
     run.add_argument("--block-size", type=int, default=16)
     run.add_argument("--max-model-len", type=int, default=None)
-    run.add_argument("--max-tokens", type=int, default=64)
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--top-k", type=int, default=-1)
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--ignore-eos", action="store_true")
-    run.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    return parser
+    _add_sampling(run)
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Engine settings shared by the workers and `serve` (which passes them on)."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="HF model folder or smollm2-135m-instruct")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--dtype", default=None, choices=DTYPES, help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-bytes)")
+    parser.add_argument("--kv-cache-bytes", dest="kv_cache_memory_bytes", type=int, default=1 << 30, metavar="BYTES",
+                        help="KV cache budget in bytes when --num-blocks is not given")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="most tokens in one step")
+
+
+def _add_listen_flags(parser: argparse.ArgumentParser, port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port, help="gRPC port (0 picks a free one)")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: free)")
+
+
+def _add_worker(worker: argparse.ArgumentParser, role: str) -> None:
+    _add_engine_flags(worker)
+    _add_listen_flags(worker, port=0)
+    worker.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: the number of --cpus, else torch's)")
+    worker.add_argument("--cpus", default=None, help="CPU affinity, e.g. 0,1 or 0-3")
+    worker.add_argument("--engine-id", default=None, help="this engine's id (default: generated)")
+    if role == "prefill":
+        worker.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                            help="how long a request's prompt KV stays pinned for its decode worker")
+    else:
+        worker.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                            help="seconds to pull one request's prompt KV")
+        worker.add_argument("--debug-zero-kv-block", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def _add_router(router: argparse.ArgumentParser) -> None:
+    router.add_argument("--model", default=DEFAULT_MODEL, help="for the tokenizer and chat template")
+    _add_listen_flags(router, port=50051)
+    router.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT",
+                        help="a prefill worker (repeat for each)")
+    router.add_argument("--decode", action="append", required=True, metavar="HOST:PORT",
+                        help="a decode worker (repeat for each)")
+    router.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    router.add_argument("--http-port", type=int, default=None, help="also serve OpenAI-compatible HTTP")
+    router.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output in tokens (default: the model's)")
+
+
+def _add_serve(serve: argparse.ArgumentParser) -> None:
+    _add_engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="every service binds here")
+    serve.add_argument("--port", type=int, default=50051, help="router gRPC port")
+    serve.add_argument("--http-port", type=int, default=8000, help="router HTTP port")
+    serve.add_argument("--no-http", dest="http_port", action="store_const", const=None,
+                       help="no HTTP endpoint")
+    serve.add_argument("--metrics-port", type=int, default=0, help="router /metrics port (0: free)")
+    serve.add_argument("--num-prefill", type=int, default=1, help="prefill workers")
+    serve.add_argument("--num-decode", type=int, default=1, help="decode workers")
+    for role in ("prefill", "decode"):
+        serve.add_argument(f"--{role}-threads", type=int, default=None, help=f"--threads of each {role} worker")
+        serve.add_argument(f"--{role}-cpus", default=None, help=f"--cpus of each {role} worker, e.g. 0-3")
+    serve.add_argument("--kv-lease-seconds", type=float, default=30.0)
+    serve.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+    serve.add_argument("--request-timeout", type=float, default=300.0)
+    serve.add_argument("--start-timeout", type=float, default=120.0,
+                       help="seconds each service may take to become ready")
+
+
+def _add_generate(generate: argparse.ArgumentParser) -> None:
+    generate.add_argument("--url", default="127.0.0.1:50051", help="router HOST:PORT")
+    _add_prompt_source(generate)
+    _add_sampling(generate)
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--timeout", type=float, default=300.0, help="request deadline in seconds")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -50,7 +146,7 @@ def _run(args: argparse.Namespace) -> int:
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                                  max_model_len=args.max_model_len))
     if args.prompt_ids is not None:
-        prompt: str | list[int] = _parse_ids(args.prompt_ids)
+        prompt: str | list[int] = parse_ids(args.prompt_ids)
     elif args.chat is not None:
         if engine.tokenizer is None:
             raise ValueError("chat: the model folder has no tokenizer")
@@ -86,20 +182,61 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_ids(text: str) -> list[int]:
+def parse_ids(text: str) -> list[int]:
+    """`--prompt-ids 1,2,3` -> [1, 2, 3]; ValueError naming the flag."""
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise ValueError(f"prompt-ids: expected comma-separated integers, got {text!r}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    from services.engine.errors import EngineError
+def _serve(args: argparse.Namespace) -> int:
+    from services import launcher
 
+    return launcher.Supervisor(launcher.cluster_spec_from_args(args)).run()
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from services.placement import apply_cpu_placement
+
+    # Before the server module imports torch: OpenMP sizes its pool from the affinity mask.
+    apply_cpu_placement(args.threads, args.cpus)
+    return _start_service(args)
+
+
+def _start_service(args: argparse.Namespace) -> int:
+    """`services.<role>.server.serve(args)`: prints its ready line and blocks until SIGINT/SIGTERM."""
+    server = importlib.import_module(f"services.{args.command}.server")
+    result = server.serve(args)
+    return 0 if result is None else int(result)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from services import client
+
+    return client.main(args)
+
+
+COMMANDS = {
+    "run": _run, "serve": _serve, "prefill": _worker, "decode": _worker, "router": _start_service,
+    "generate": _generate,
+}
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """Bad flags, input or model folder. An EngineError can only have been raised once its module
+    was imported, so look it up instead of importing the engine (and torch) for every command."""
+    errors = sys.modules.get("services.engine.errors")
+    return (ValueError, OSError) + ((errors.EngineError,) if errors is not None else ())
+
+
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _run(args)
-    except (ValueError, OSError, EngineError) as exc:  # bad flags, input or model folder: one line
+        return COMMANDS[args.command](args)
+    except Exception as exc:
+        if not isinstance(exc, _user_error_types()):
+            raise
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
 

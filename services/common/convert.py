@@ -74,9 +74,11 @@ def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
 
 def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """Inverse of `tensor_to_bytes`; raises ValueError if the byte count does not fit the shape."""
-    flat = torch.frombuffer(bytearray(data), dtype=torch.int16 if dtype == torch.bfloat16 else dtype)
-    if flat.numel() != torch.Size(shape).numel():
-        raise ValueError(f"kv chunk: {len(data)} bytes do not fill {shape} {dtype}")
+    storage_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+    expected = torch.Size(shape).numel() * torch.empty((), dtype=storage_dtype).element_size()
+    if len(data) != expected:
+        raise ValueError(f"kv chunk: {len(data)} bytes do not fill {shape} {dtype} ({expected} bytes)")
+    flat = torch.frombuffer(bytearray(data), dtype=storage_dtype)
     flat = flat.view(torch.bfloat16) if dtype == torch.bfloat16 else flat
     return flat.view(shape)
 

@@ -1,9 +1,11 @@
 """Runs an `Engine` on its own thread for a worker process.
 
-The engine is single-threaded by design; RPC threads talk to it only through `EngineLoop`: they
-submit and abort under one lock, and read per-request output queues. The loop thread steps the
-engine whenever it has work, publishes worker metrics after every step, and runs `on_idle` hooks
-(lease expiry) between steps.
+The engine is single-threaded by design. RPC threads never touch it directly: they hand the loop
+a function with `call(fn)` and wait for its result. The loop thread runs queued calls before
+every step (so adds, aborts, info and KV reads are served within one step time, however busy
+the engine is: a shared lock would let the stepping thread starve them), steps the engine while
+it has work, publishes worker metrics, and runs idle hooks (lease expiry). This is the input
+queue of vLLM's EngineCore busy loop, in one process.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
 
 from services.common import metrics
 from services.engine import Engine, SamplingParams
@@ -20,17 +24,18 @@ from services.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.05  # how often an idle loop runs its hooks
+T = TypeVar("T")
+POLL_SECONDS = 0.05  # how long an idle loop waits for a call before running its hooks again
+CALL_TIMEOUT_S = 60.0
 
 
 class EngineLoop:
-    """Owns the engine thread; every engine access from other threads goes through `lock`."""
+    """Owns the engine thread; other threads reach the engine only through `call`."""
 
     def __init__(self, engine: Engine, role: str) -> None:
         self.engine = engine
         self.role = role
-        self.lock = threading.RLock()
-        self._work = threading.Condition(self.lock)
+        self._calls: queue.Queue[tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._streams: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
         self._hooks: list[Callable[[], None]] = []
         self._stopped = False
@@ -43,14 +48,24 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self) -> None:
-        with self.lock:
-            self._stopped = True
-            self._work.notify_all()
+        self._stopped = True
+        self._calls.put(None)
         self._thread.join(timeout=10)
 
     def add_idle_hook(self, hook: Callable[[], None]) -> None:
-        """`hook()` runs on the loop thread, under the lock, between steps."""
+        """`hook()` runs on the loop thread between steps."""
         self._hooks.append(hook)
+
+    def call(self, fn: Callable[[], T], timeout: float = CALL_TIMEOUT_S) -> T:
+        """Run `fn()` on the loop thread and return its result (or raise its exception).
+
+        Raises TimeoutError if the loop does not get to it within `timeout` seconds.
+        """
+        if threading.current_thread() is self._thread:
+            return fn()
+        future: Future = Future()
+        self._calls.put((fn, future))
+        return future.result(timeout=timeout)
 
     def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_handle: KVHandle | None = None
@@ -60,33 +75,53 @@ class EngineLoop:
         Raises the engine's InvalidRequestError / ResourceExhaustedError synchronously.
         """
         stream: queue.Queue[RequestOutput | BaseException] = queue.Queue()
-        with self.lock:
+
+        def add() -> None:
             self.engine.add_request(prompt_ids, params, request_id=request_id, kv_handle=kv_handle)
             self._streams[request_id] = stream
-            self._work.notify_all()
+
+        self.call(add)
         metrics.PROMPT_TOKENS.labels(self.role).inc(len(prompt_ids))
         return stream
 
     def abort(self, request_id: str) -> bool:
         """Abort a running, waiting or pinned request; False if the engine no longer has it."""
-        with self.lock:
+
+        def abort() -> bool:
             self._streams.pop(request_id, None)
             if request_id not in self.engine.requests and request_id not in self.engine.pinned:
                 return False
             self.engine.abort(request_id)
-            self._publish_metrics()
             return True
 
+        return self.call(abort)
+
     def _run(self) -> None:
-        while True:
-            with self.lock:
-                while not self._stopped and not self.engine.has_unfinished_requests():
-                    self._run_hooks()
-                    self._work.wait(POLL_SECONDS)
-                if self._stopped:
-                    return
+        while not self._stopped:
+            self._run_calls(block=not self.engine.has_unfinished_requests())
+            if self._stopped:
+                return
+            if self.engine.has_unfinished_requests():
                 self._step()
-                self._run_hooks()
+            self._run_hooks()
+
+    def _run_calls(self, block: bool) -> None:
+        """Run every queued call; when `block`, first wait up to POLL_SECONDS for one."""
+        try:
+            item = self._calls.get(timeout=POLL_SECONDS) if block else self._calls.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed back to the calling thread
+                    future.set_exception(exc)
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
 
     def _step(self) -> None:
         try:
@@ -104,7 +139,6 @@ class EngineLoop:
             if out.finished:
                 self._streams.pop(out.request_id, None)
             metrics.GENERATION_TOKENS.labels(self.role).inc(len(out.new_token_ids))
-        self._publish_metrics()
 
     def _fail_running(self, exc: BaseException) -> None:
         for request_id in list(self.engine.requests):
@@ -119,6 +153,7 @@ class EngineLoop:
                 hook()
             except Exception:  # noqa: BLE001 - a hook must never kill the loop
                 logger.exception("idle hook failed")
+        self._publish_metrics()
 
     def _publish_metrics(self) -> None:
         engine, role = self.engine, self.role

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 import torch
@@ -27,6 +29,7 @@ from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 * 1024 * 1024
+T = TypeVar("T")
 
 
 class GrpcKVTransfer(InMemoryKVTransfer):
@@ -109,18 +112,19 @@ class GrpcKVTransfer(InMemoryKVTransfer):
 class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
     """Prefill side: streams pinned blocks to decode workers and unpins them on release."""
 
-    def __init__(self, transfer: GrpcKVTransfer, engine_lock: threading.RLock, spec: KVCacheSpec,
+    def __init__(self, transfer: GrpcKVTransfer, on_engine: Callable[[Callable[[], T]], T], spec: KVCacheSpec,
                  chunk_bytes: int = CHUNK_BYTES) -> None:
+        """`on_engine(fn)` runs fn on the engine's thread (EngineLoop.call)."""
         self.transfer = transfer
-        self.lock = engine_lock
+        self.on_engine = on_engine
         self.layout = layout_to_proto(spec)
         self.chunk_bytes = chunk_bytes
 
     def PullKV(self, request, context):
         handle = KVHandle(request.handle.request_id, request.handle.engine_id, tuple(request.handle.block_ids),
                           request.handle.num_tokens, request.handle.first_token_id)
-        with self.lock:
-            data = self.transfer.pull(handle)  # a copy: later frees cannot change what we send
+        # A copy, read on the engine thread: later frees cannot change what we send.
+        data = self.on_engine(lambda: self.transfer.pull(handle))
         block_bytes = data[:, :, :1].numel() * data.element_size()
         per_chunk = max(1, self.chunk_bytes // block_bytes)
         for offset in range(0, data.shape[2], per_chunk):
@@ -132,6 +136,5 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         metrics.KV_TRANSFER_BYTES.labels(self.transfer.role).inc(data.numel() * data.element_size())
 
     def ReleaseKV(self, request, context):
-        with self.lock:
-            released = self.transfer.release(request.request_id)
+        released = self.on_engine(lambda: self.transfer.release(request.request_id))
         return worker_pb2.ReleaseKVResponse(released=released)

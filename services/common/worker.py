@@ -29,9 +29,10 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
 
 
 def worker_info(loop: EngineLoop, role: str) -> common_pb2.WorkerInfo:
-    """A snapshot of the worker's engine, taken under the engine lock."""
-    engine = loop.engine
-    with loop.lock:
+    """A snapshot of the worker's engine, taken on the engine thread."""
+
+    def snapshot() -> common_pb2.WorkerInfo:
+        engine = loop.engine
         pool = engine.kv_cache.pool
         return common_pb2.WorkerInfo(
             role=role, engine_id=engine.config.engine_id, model=engine.config.model,
@@ -42,6 +43,8 @@ def worker_info(loop: EngineLoop, role: str) -> common_pb2.WorkerInfo:
             num_prompt_tokens_computed=engine.scheduler.num_prompt_tokens_computed,
             max_step_tokens_per_request=loop.max_step_tokens_per_request,
         )
+
+    return loop.call(snapshot)
 
 
 def next_output(stream: queue.Queue, context: grpc.ServicerContext) -> RequestOutput | None:
@@ -66,7 +69,7 @@ def next_output(stream: queue.Queue, context: grpc.ServicerContext) -> RequestOu
 class PinLeases:
     """Prefill side: when each pinned request was handed off; frees pins older than the lease.
 
-    Runs as an EngineLoop idle hook (on the loop thread, under the engine lock).
+    `expire` runs as an EngineLoop idle hook; `pinned` is called through `EngineLoop.call`.
     """
 
     def __init__(self, loop: EngineLoop, lease_s: float) -> None:

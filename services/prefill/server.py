@@ -41,8 +41,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             return worker_pb2.PrefillResponse()
         if out.kv_handle is None:  # the first token already finished the request
             return worker_pb2.PrefillResponse(first_token_id=out.new_token_ids[0], finish_reason=out.finish_reason)
-        with self.loop.lock:
-            self.leases.pinned(request_id)
+        self.loop.call(lambda: self.leases.pinned(request_id))
         return worker_pb2.PrefillResponse(
             first_token_id=out.new_token_ids[0], kv_handle=handle_to_proto(out.kv_handle, self.kv_address)
         )
@@ -59,7 +58,7 @@ def serve(args: argparse.Namespace) -> None:
     leases = PinLeases(loop, args.kv_lease_seconds)
     loop.add_idle_hook(leases.expire)
     prefill = PrefillServicer(loop, leases)
-    kv = KVTransferServicer(transfer, loop.lock, engine.kv_cache.spec)
+    kv = KVTransferServicer(transfer, loop.call, engine.kv_cache.spec)
     service = start_service(
         "prefill",
         [

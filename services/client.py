@@ -1,0 +1,101 @@
+"""`pdserve generate`: one streaming request to a router's Generation service.
+
+Text deltas go to stdout as they arrive; with `--json` nothing is streamed and one JSON object is
+printed at the end (ARCHITECTURE.md, CLI contract). A gRPC error prints
+`pdserve: error: CODE: details` and exits 2 for INVALID_ARGUMENT, 1 for anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.cli import parse_ids
+from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc
+
+
+@dataclass
+class GenerateResult:
+    """A finished stream: the joined text and ids, and what the last message carried."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # "stop" | "length" ("" if the stream ended without one)
+    usage: dict[str, int] = field(default_factory=dict)  # prompt_tokens, completion_tokens, cached_tokens
+    timings: dict[str, float] = field(default_factory=dict)  # seconds, measured by the router
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "usage": self.usage, "timings": self.timings}
+
+
+def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
+    """GenerateRequest from the `generate` flags; ValueError naming a bad flag."""
+    if args.seed is not None and not 0 <= args.seed < 1 << 64:
+        raise ValueError(f"--seed: must be in [0, 2**64), got {args.seed}")
+    sampling = common_pb2.SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+    if args.prompt_ids is not None:
+        ids = parse_ids(args.prompt_ids)
+        if any(not -(1 << 31) <= i < 1 << 31 for i in ids):
+            raise ValueError(f"prompt-ids: ids must fit in int32, got {args.prompt_ids!r}")
+        return generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=ids), sampling=sampling)
+    if args.chat is not None:
+        chat = generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content=args.chat)])
+        return generate_pb2.GenerateRequest(chat=chat, sampling=sampling)
+    return generate_pb2.GenerateRequest(text=args.prompt, sampling=sampling)
+
+
+def stream_generate(
+    url: str,
+    request: generate_pb2.GenerateRequest,
+    timeout: float,
+    on_text: Callable[[str], None] | None = None,
+) -> GenerateResult:
+    """Send `request` to the router at HOST:PORT, calling `on_text` with each text delta.
+
+    `timeout` is the gRPC deadline in seconds. Raises grpc.RpcError on a failed call.
+    """
+    result = GenerateResult()
+    with grpc.insecure_channel(url) as channel:
+        for msg in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout):
+            result.token_ids.extend(msg.token_ids)
+            result.text += msg.text
+            if msg.text and on_text is not None:
+                on_text(msg.text)
+            if msg.finish_reason:
+                result.finish_reason = msg.finish_reason
+                result.usage = {name: getattr(msg.usage, name)
+                                for name in ("prompt_tokens", "completion_tokens", "cached_tokens")}
+                result.timings = {f.name: getattr(msg.timings, f.name) for f in msg.timings.DESCRIPTOR.fields}
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    """The `pdserve generate` command; returns the exit status."""
+    request = build_request(args)
+    streamed = []
+
+    def print_delta(text: str) -> None:
+        streamed.append(text)
+        print(text, end="", flush=True)
+
+    try:
+        result = stream_generate(args.url, request, args.timeout, None if args.json else print_delta)
+    except grpc.RpcError as exc:
+        if streamed:
+            print(flush=True)
+        print(f"pdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    print(json.dumps(result.to_json()) if args.json else "", flush=True)
+    return 0

@@ -1,0 +1,244 @@
+"""The router's request flow: validate -> Prefill -> first token -> Decode stream -> text.
+
+Transport-light: `GenerateFlow.generate` takes a `GenerateRequest`, an absolute deadline and a
+`CancelScope`, and yields `GenerateResponse` messages. The gRPC servicer and the HTTP API both
+drive it; neither re-implements any step.
+
+Every downstream call gets `timeout=` the time left until the deadline, so nothing waits
+unbounded. Errors propagate as they are (a downstream `grpc.RpcError` keeps its code; typed
+errors are mapped by `services.common.errors.ErrorInterceptor`). Freeing work downstream:
+- a cancel (client gone, deadline) or a stop-string hit cancels the in-flight call, so the
+  decode worker frees the request's blocks;
+- if the request ends after the prefill pinned its KV but before a decode worker reported the
+  KV landed (client gone, stop string in the first token, Decode failed or was never started),
+  the router calls `KVTransfer.ReleaseKV` on the prefill worker named in the handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from services.common.convert import sampling_to_proto
+from services.common.errors import status_for
+from services.common.pb import common_pb2, generate_pb2, worker_pb2
+from services.router.cancel import CancelScope, RequestCancelledError
+from services.router.prompt import ModelInfo, PreparedRequest, prepare_request
+from services.router.stats import RequestStats
+from services.router.text_stream import TextDelta, TextStream
+from services.router.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
+# grpc reports a huge time_remaining (not None) for a call without a deadline.
+NO_CLIENT_DEADLINE_S = 1e8
+# ReleaseKV runs after the request is over (its deadline may have passed), on its own budget.
+RELEASE_KV_TIMEOUT_S = 5.0
+
+
+class GenerateFlow:
+    """Runs Generate requests against a worker pool.
+
+    `model`: tokenizer, vocab size and max_model_len for validation and detokenization.
+    `request_timeout`: seconds allowed to a request whose client set no deadline.
+    """
+
+    def __init__(
+        self, model: ModelInfo, pool: WorkerPool, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
+    ) -> None:
+        if not request_timeout > 0:
+            raise ValueError(f"request_timeout: must be > 0 seconds, got {request_timeout!r}")
+        self.model = model
+        self.pool = pool
+        self.request_timeout = request_timeout
+
+    def deadline_for(self, time_remaining: float | None) -> float:
+        """Absolute `time.monotonic()` deadline for a client with `time_remaining` seconds left
+        (None or no deadline: the router's request_timeout)."""
+        if time_remaining is None or time_remaining >= NO_CLIENT_DEADLINE_S:
+            time_remaining = self.request_timeout
+        return time.monotonic() + time_remaining
+
+    def generate(
+        self, request: generate_pb2.GenerateRequest, deadline: float, scope: CancelScope | None = None
+    ) -> Iterator[generate_pb2.GenerateResponse]:
+        """Streams the completion; the last message has finish_reason, usage and timings.
+
+        Raises (when iterated): InvalidRequestError / ValueError for bad input (field named),
+        ServiceUnavailableError with no workers, TimeoutError past the deadline,
+        RequestCancelledError when `scope` is cancelled, grpc.RpcError from a worker.
+        Closing the generator early cancels whatever is in flight.
+        """
+        scope = scope if scope is not None else CancelScope()
+        run = _RequestRun(self, request, deadline, scope)
+        finished = False
+        try:
+            for response in run.responses():
+                finished = finished or bool(response.finish_reason)
+                yield response
+        except BaseException as exc:  # GeneratorExit too: the consumer went away
+            if not finished:
+                run.stats.on_failed(self._failure_code(exc, deadline))
+            raise
+        finally:
+            scope.cancel()  # anything still in flight is no longer wanted
+
+    @staticmethod
+    def _failure_code(exc: BaseException, deadline: float) -> grpc.StatusCode:
+        """The code for the error counter; a cancel caused by the deadline counts as DEADLINE_EXCEEDED."""
+        code = grpc.StatusCode.CANCELLED if isinstance(exc, GeneratorExit) else status_for(exc)[0]
+        if code == grpc.StatusCode.CANCELLED and time.monotonic() >= deadline:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return code
+
+
+class _RequestRun:
+    """One request's state while it flows through prefill and decode."""
+
+    def __init__(
+        self, flow: GenerateFlow, request: generate_pb2.GenerateRequest, deadline: float, scope: CancelScope
+    ) -> None:
+        self.flow = flow
+        self.request = request
+        self.deadline = deadline
+        self.scope = scope
+        self.stats = RequestStats()
+        self.kv_landed = False  # a decode worker reported the prompt KV arrived
+        self.request_id = request.request_id
+        self.prefill_address = ""
+
+    def responses(self) -> Iterator[generate_pb2.GenerateResponse]:
+        prepared = self._prepare()
+        text = TextStream(self.flow.model.tokenizer, prepared.prompt_token_ids, prepared.stop)
+        prefill = self._prefill(prepared)
+        handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
+        try:  # from here on the prefill worker may hold pinned KV for this request
+            first = text.add([prefill.first_token_id])
+            finish = "stop" if first.stopped else prefill.finish_reason
+            if not finish and handle is None:
+                raise RuntimeError("prefill worker returned neither a finish_reason nor a kv_handle")
+            if finish:
+                yield self._final(first, text, finish)
+                return
+            yield self._message(first)  # the first token goes out now: that is TTFT
+            yield from self._decode(prepared, handle, text)
+        finally:
+            if handle is not None and not self.kv_landed:
+                self._release_kv(handle)
+
+    def _remaining(self) -> float:
+        """Seconds left until the deadline; TimeoutError when none are."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline exceeded")
+        return left
+
+    def _prepare(self) -> PreparedRequest:
+        start = time.monotonic()
+        prepared = prepare_request(self.request, self.flow.model)
+        self.request_id = prepared.request_id
+        self.stats.on_tokenized(len(prepared.prompt_token_ids), time.monotonic() - start)
+        return prepared
+
+    def _prefill(self, prepared: PreparedRequest) -> worker_pb2.PrefillResponse:
+        """Runs the Prefill RPC on a picked worker; cancellable through the scope."""
+        self.prefill_address = self.flow.pool.pick_prefill()
+        stub = self.flow.pool.prefill_stub(self.prefill_address)
+        message = worker_pb2.PrefillRequest(
+            request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
+            sampling=sampling_to_proto(prepared.params),
+        )
+        self.scope.check()
+        start = time.monotonic()
+        future = self.scope.track(stub.Prefill.future(message, timeout=self._remaining()))
+        try:
+            response = future.result()
+        except grpc.FutureCancelledError:
+            raise RequestCancelledError() from None
+        finally:
+            self.scope.untrack(future)
+        self.stats.on_prefill(time.monotonic() - start)
+        return response
+
+    def _decode(
+        self, prepared: PreparedRequest, handle: common_pb2.KVHandle, text: TextStream
+    ) -> Iterator[generate_pb2.GenerateResponse]:
+        """Streams the Decode RPC's tokens through `text` until a finish_reason or stop string."""
+        stub = self.flow.pool.decode_stub(self.flow.pool.pick_decode())
+        message = worker_pb2.DecodeRequest(
+            request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
+            sampling=sampling_to_proto(prepared.params), kv_handle=handle,
+        )
+        self.scope.check()
+        call = self.scope.track(stub.Decode(message, timeout=self._remaining()))
+        self.stats.on_decode_started()
+        try:
+            for reply in call:
+                if not self.kv_landed:
+                    self.kv_landed = True
+                    self.stats.on_kv_transfer(reply.kv_transfer_seconds)
+                delta = text.add(list(reply.token_ids))
+                if delta.stopped:
+                    call.cancel()  # the decode worker frees the request's blocks now
+                    yield self._final(delta, text, "stop")
+                    return
+                if reply.finish_reason:
+                    yield self._final(delta, text, reply.finish_reason)
+                    _drain(call)  # read the OK status rather than cancel a finished call
+                    return
+                if delta.token_ids:
+                    yield self._message(delta)
+            raise RuntimeError("decode worker ended its stream without a finish_reason")
+        finally:
+            self.scope.untrack(call)
+            call.cancel()  # no-op once the stream has completed; frees the worker otherwise
+
+    def _message(self, delta: TextDelta) -> generate_pb2.GenerateResponse:
+        self.stats.on_tokens_sent(len(delta.token_ids))
+        return generate_pb2.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
+
+    def _final(
+        self, delta: TextDelta, text: TextStream, finish_reason: str
+    ) -> generate_pb2.GenerateResponse:
+        """The last message: remaining text (held-back text is released), usage, timings."""
+        chunk = delta.text
+        if not delta.stopped:
+            tail, stopped = text.finish()
+            chunk += tail
+            finish_reason = "stop" if stopped else finish_reason
+        if delta.token_ids:
+            self.stats.on_tokens_sent(len(delta.token_ids))
+        self.stats.on_finished(finish_reason)
+        return generate_pb2.GenerateResponse(
+            token_ids=delta.token_ids, text=chunk, finish_reason=finish_reason,
+            usage=self.stats.usage(), timings=self.stats.timings(),
+        )
+
+    def _release_kv(self, handle: common_pb2.KVHandle) -> None:
+        """Unpins the prompt KV on the prefill worker (best effort; a lapsed lease frees it too)."""
+        request_id = handle.request_id or self.request_id
+        source = handle.source or self.prefill_address  # a worker that names no source serves it
+        try:
+            stub = self.flow.pool.kv_transfer_stub(source)
+            stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=request_id), timeout=RELEASE_KV_TIMEOUT_S)
+        except (grpc.RpcError, ValueError) as exc:
+            logger.warning("ReleaseKV(%s) at %r failed: %s", request_id, source, exc)
+
+
+def _drain(call: grpc.Call) -> None:
+    """Waits for the end of a decode stream whose last message was already received.
+
+    A message after finish_reason is a worker bug: the call is cancelled instead of read on.
+    An error status after finish_reason is logged, not raised: the client already has it all.
+    """
+    try:
+        for _ in call:
+            logger.warning("decode worker sent a message after finish_reason; cancelling it")
+            call.cancel()
+            return
+    except grpc.RpcError as exc:
+        logger.warning("decode stream failed after finish_reason: %s", exc)

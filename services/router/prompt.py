@@ -1,0 +1,168 @@
+"""Turning a `GenerateRequest` into validated prompt token ids and sampling parameters.
+
+The router validates everything a worker would reject, so a bad request fails before it costs
+a prefill: typed errors (InvalidRequestError, ValueError) name the offending field. Nothing is
+clamped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from services.common.convert import sampling_from_proto
+from services.common.pb import generate_pb2
+from services.engine.errors import InvalidRequestError
+from services.engine.loader import resolve_model
+from services.engine.model_runner import resolve_max_model_len
+from services.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class LockedTokenizer:
+    """A Hugging Face tokenizer whose calls are serialized by one lock.
+
+    Fast (Rust) tokenizers are not safe to call from many threads at once ("Already
+    borrowed"); the router serves every request on its own thread, so each call takes the lock.
+    Calls are short (one prompt, or a few ids for the detokenizer), so contention is small.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` without special tokens (the chat template adds its own)."""
+        with self._lock:
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text of `messages`, ending with the assistant's turn opener."""
+        with self._lock:
+            return self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def decode(self, token_ids: list[int], **kwargs: Any) -> str:
+        with self._lock:
+            return self._tokenizer.decode(token_ids, **kwargs)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the router needs to know about the served model."""
+
+    name: str
+    """The --model value as given (reported by the HTTP API)."""
+    path: Path
+    """The resolved local Hugging Face folder."""
+    vocab_size: int
+    """Valid token ids are [0, vocab_size)."""
+    max_model_len: int
+    """Longest prompt + output in tokens; a prompt must be shorter."""
+    tokenizer: LockedTokenizer | None
+    """None for a folder without a tokenizer (then only token-id prompts work, text is empty)."""
+
+    @classmethod
+    def load(cls, model: str, max_model_len: int | None = None) -> ModelInfo:
+        """Reads config and tokenizer from `resolve_model(model)`.
+
+        Raises ValueError (naming `model` or `max_model_len`) for an unknown model or a
+        max_model_len beyond the model's positions; RuntimeError if the default model is missing.
+        """
+        path = resolve_model(model)
+        hf_config, limit = resolve_max_model_len(str(path), max_model_len)
+        try:
+            tokenizer = LockedTokenizer(AutoTokenizer.from_pretrained(path))
+        except (OSError, ValueError, TypeError):
+            logger.warning("model %s has no tokenizer: only token-id prompts are accepted", path)
+            tokenizer = None
+        return cls(model, path, int(hf_config.vocab_size), int(limit), tokenizer)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, ready for the workers."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    """Stop strings (applied by the router to the text, never sent to workers)."""
+
+
+def prepare_request(request: generate_pb2.GenerateRequest, model: ModelInfo) -> PreparedRequest:
+    """Validates and tokenizes `request`.
+
+    Raises:
+        InvalidRequestError: field "prompt" (none given, empty, too long for max_model_len,
+            text without a tokenizer), "prompt_token_ids" / "stop_token_ids" (ids outside
+            [0, vocab_size)), "chat.messages[i].role", "stop".
+        ValueError: a sampling field out of range (max_tokens, temperature, top_p, top_k).
+    """
+    params = sampling_from_proto(request.sampling)
+    stop = tuple(request.sampling.stop)
+    if any(not s for s in stop):
+        raise InvalidRequestError("stop", "stop strings must not be empty")
+    if stop and model.tokenizer is None:
+        raise InvalidRequestError("stop", "this model has no tokenizer, so no text to match")
+    check_token_ids(list(params.stop_token_ids), model.vocab_size, "stop_token_ids")
+    prompt_ids = tokenize_prompt(request, model)
+    if not prompt_ids:
+        raise InvalidRequestError("prompt", "must not be empty")
+    if len(prompt_ids) >= model.max_model_len:
+        raise InvalidRequestError(
+            "prompt", f"{len(prompt_ids)} tokens; must be shorter than max_model_len {model.max_model_len}"
+        )
+    check_token_ids(prompt_ids, model.vocab_size, "prompt_token_ids")
+    # Workers key requests (and KV handles) by id: a client's own id gets a unique suffix so two
+    # clients reusing one id can never collide.
+    request_id = f"{request.request_id}-{uuid.uuid4().hex[:12]}" if request.request_id else uuid.uuid4().hex
+    return PreparedRequest(request_id, prompt_ids, params, stop)
+
+
+def tokenize_prompt(request: generate_pb2.GenerateRequest, model: ModelInfo) -> list[int]:
+    """Prompt token ids from exactly one of text / token_ids / chat (InvalidRequestError)."""
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequestError("prompt", "set exactly one of text, token_ids, chat")
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise InvalidRequestError("prompt", "this model has no tokenizer; send token_ids")
+    if kind == "text":
+        return tokenizer.encode(request.text) if request.text else []
+    messages = chat_messages(request.chat)
+    if not tokenizer.has_chat_template:
+        raise InvalidRequestError("chat", "this model's tokenizer has no chat template")
+    return tokenizer.encode(tokenizer.apply_chat_template(messages))
+
+
+def chat_messages(chat: generate_pb2.ChatMessages) -> list[dict[str, str]]:
+    """The chat as template input; InvalidRequestError for no messages or an unknown role."""
+    if not chat.messages:
+        raise InvalidRequestError("prompt", "chat has no messages")
+    for i, message in enumerate(chat.messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"chat.messages[{i}].role", f"expected one of {', '.join(CHAT_ROLES)}, got {message.role!r}"
+            )
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
+    """InvalidRequestError naming `field` if any id is outside [0, vocab_size)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(field, f"token ids {bad[:5]} outside [0, {vocab_size})")

@@ -1,0 +1,91 @@
+"""Start and stop real pdserve processes for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2_grpc
+
+START_TIMEOUT_S = 180
+
+
+@dataclass
+class Proc:
+    """A started pdserve command and the JSON of its `ready` line."""
+
+    process: subprocess.Popen
+    ready: dict
+    pids: list[int] = field(default_factory=list)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=timeout)
+
+
+def start(*args: str) -> Proc:
+    """Run `pdserve ARGS`, wait for its `ready {json}` line (raises RuntimeError if it dies first)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *args], stdout=subprocess.PIPE, stderr=None, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"pdserve {' '.join(args)} exited with {process.wait()} before ready")
+        if line.startswith("ready "):
+            ready = json.loads(line[len("ready "):])
+            pids = [s["pid"] for s in ready.get("services", [])] or [ready["pid"]]
+            return Proc(process, ready, pids)
+    process.kill()
+    raise RuntimeError(f"pdserve {' '.join(args)} not ready in {START_TIMEOUT_S} s")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); treat it as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def scrape(url: str, name: str, role: str) -> float:
+    """Value of a `pdserve_*` sample with label role=... from a /metrics endpoint."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    prefix = f'{name}{{role="{role}"}} '
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix):])
+    raise KeyError(f"{name} role={role} not in {url}")
+
+
+def generation_stub(address: str) -> generate_pb2_grpc.GenerationStub:
+    return generate_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
+
+
+def worker_info(address: str, role: str) -> common_pb2.WorkerInfo:
+    channel = grpc.insecure_channel(address)
+    stub = worker_pb2_grpc.PrefillStub(channel) if role == "prefill" else worker_pb2_grpc.DecodeStub(channel)
+    return stub.GetInfo(common_pb2.InfoRequest(), timeout=10)
+
+
+def generate(stub, timeout: float = 120, **request) -> tuple[list[int], str, str]:
+    """(token ids, text, finish_reason) of one streamed Generate call."""
+    token_ids, text, finish = [], "", ""
+    for msg in stub.Generate(generate_pb2.GenerateRequest(**request), timeout=timeout):
+        token_ids += list(msg.token_ids)
+        text += msg.text
+        finish = msg.finish_reason or finish
+    return token_ids, text, finish

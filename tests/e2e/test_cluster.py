@@ -1,0 +1,197 @@
+"""Router -> prefill -> KV blocks over gRPC -> decode, as separate processes on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from services.common.pb import common_pb2, generate_pb2
+from tests.e2e.cluster import generate, generation_stub, pid_alive, scrape, start, worker_info
+from tests.reference import assert_equivalent, hf_greedy
+
+pytestmark = pytest.mark.e2e
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    proc = start("serve", "--port", "0", "--http-port", "0", "--num-prefill", "1", "--num-decode", "1")
+    yield proc
+    assert proc.stop() == 0
+    deadline = time.monotonic() + 10
+    while any(pid_alive(pid) for pid in proc.pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in proc.pids if pid_alive(pid)], "serve left processes behind"
+
+
+def _service(cluster, role: str) -> dict:
+    return next(s for s in cluster.ready["services"] if s["role"] == role)
+
+
+def _free_blocks(cluster) -> tuple[float, float]:
+    return tuple(scrape(_service(cluster, r)["metrics"], "pdserve_kv_blocks_free", r) for r in ("prefill", "decode"))
+
+
+def _sampling(max_tokens: int, **kwargs) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=max_tokens, **{**GREEDY, **kwargs})
+
+
+def test_ready_line_follows_the_contract(cluster):
+    ready = cluster.ready
+    assert ready["router"].startswith("127.0.0.1:") and ready["http"].startswith("http://127.0.0.1:")
+    roles = [s["role"] for s in ready["services"]]
+    assert roles == ["router", "prefill", "decode"]
+    for service in ready["services"]:
+        assert service["grpc"].startswith("127.0.0.1:") and service["metrics"].endswith("/metrics")
+        assert pid_alive(service["pid"])
+
+
+@pytest.mark.parametrize("length", [1, 16, 17, 33, 100])
+def test_greedy_through_the_cluster_matches_transformers(cluster, default_model, real_text_ids, length):
+    prompt = real_text_ids[2000 + length: 2000 + 2 * length]
+    tokens, _, finish = generate(generation_stub(cluster.ready["router"]),
+                                 token_ids=generate_pb2.TokenIds(ids=prompt), sampling=_sampling(24))
+    assert finish == "length"
+    assert_equivalent(tokens, hf_greedy(default_model, prompt, 24), f"len={length}")
+
+
+def test_eight_concurrent_requests(cluster, default_model, real_text_ids):
+    lengths = [3, 9, 16, 17, 30, 47, 64, 90]
+    prompts = [real_text_ids[300 * i: 300 * i + n] for i, n in enumerate(lengths)]
+    results: dict[int, list[int]] = {}
+    stub = generation_stub(cluster.ready["router"])
+
+    def run(i: int) -> None:
+        results[i], _, _ = generate(stub, token_ids=generate_pb2.TokenIds(ids=prompts[i]), sampling=_sampling(20))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(results) == len(prompts)
+    for i, prompt in enumerate(prompts):
+        assert_equivalent(results[i], hf_greedy(default_model, prompt, 20), f"concurrent {i}")
+
+
+def test_decode_never_runs_the_prompt(cluster):
+    info = worker_info(_service(cluster, "decode")["grpc"], "decode")
+    assert info.num_prompt_tokens_computed == 0
+    assert info.max_step_tokens_per_request == 1
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, field",
+    [
+        (dict(text=""), "prompt"),
+        (dict(token_ids=generate_pb2.TokenIds(ids=[1] * 9000)), "prompt"),
+        (dict(text="hi", sampling=common_pb2.SamplingParams(max_tokens=0)), "max_tokens"),
+        (dict(text="hi", sampling=common_pb2.SamplingParams(temperature=-1)), "temperature"),
+        (dict(text="hi", sampling=common_pb2.SamplingParams(top_p=0)), "top_p"),
+        (dict(text="hi", sampling=common_pb2.SamplingParams(top_p=1.5)), "top_p"),
+        (dict(text="hi", sampling=common_pb2.SamplingParams(top_k=-2)), "top_k"),
+        (dict(token_ids=generate_pb2.TokenIds(ids=[5, 10**6])), "prompt_token_ids"),
+    ],
+)
+def test_bad_input_names_the_field_and_leaves_no_trace(cluster, request_kwargs, field):
+    stub = generation_stub(cluster.ready["router"])
+    before = _free_blocks(cluster)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, **request_kwargs)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in info.value.details()
+    tokens, _, _ = generate(stub, text="Hello there", sampling=_sampling(3))
+    assert len(tokens) == 3
+    assert _wait_for(lambda: _free_blocks(cluster) == before)
+
+
+def test_cancelled_stream_frees_blocks_on_both_workers(cluster, real_text_ids):
+    stub = generation_stub(cluster.ready["router"])
+    before = _free_blocks(cluster)
+    call = stub.Generate(generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=real_text_ids[:200]), sampling=_sampling(400)), timeout=120)
+    next(call), next(call), next(call)
+    assert _free_blocks(cluster)[1] < before[1]  # decode holds the request's blocks now
+    call.cancel()
+    assert _wait_for(lambda: _free_blocks(cluster) == before), (_free_blocks(cluster), before)
+
+
+def test_generate_cli_answers_paris(cluster):
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "generate", "--url", cluster.ready["router"],
+         "--chat", "What is the capital of France?", "--temperature", "0", "--json"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    import json
+
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "Paris" in result["text"]
+    assert result["finish_reason"] in ("stop", "length") and result["usage"]["completion_tokens"] >= 1
+
+
+def test_zeroed_transferred_block_changes_the_output(cluster, real_text_ids):
+    """Decode computes from the KV it received: zeroing one received block changes its tokens."""
+    prompt = real_text_ids[5000:5064]
+    clean, _, _ = generate(generation_stub(cluster.ready["router"]), token_ids=generate_pb2.TokenIds(ids=prompt),
+                           sampling=_sampling(16))
+    prefill = _service(cluster, "prefill")["grpc"]
+    decode = start("decode", "--port", "0", "--metrics-port", "0", "--debug-zero-kv-block", "1")
+    router = start("router", "--port", "0", "--metrics-port", "0", "--prefill", prefill, "--decode", decode.ready["grpc"])
+    try:
+        broken, _, _ = generate(generation_stub(router.ready["grpc"]), token_ids=generate_pb2.TokenIds(ids=prompt),
+                                sampling=_sampling(16))
+    finally:
+        router.stop()
+        decode.stop()
+    assert broken != clean
+
+
+REQUIRED_METRICS = [
+    "pdserve_kv_blocks_free", "pdserve_kv_blocks_pinned", "pdserve_num_requests_running",
+    "pdserve_num_requests_waiting", "pdserve_time_to_first_token_seconds", "pdserve_time_per_output_token_seconds",
+]
+
+
+def test_every_service_exports_metrics(cluster):
+    """Each service's /metrics is a real Prometheus text page with the pdserve families."""
+    generate(generation_stub(cluster.ready["router"]), text="Hello", sampling=_sampling(4))
+    for service in cluster.ready["services"]:
+        text = urllib.request.urlopen(service["metrics"], timeout=5).read().decode()
+        for name in REQUIRED_METRICS:
+            assert f"# TYPE {name} " in text, (service["role"], name)
+    router = urllib.request.urlopen(_service(cluster, "router")["metrics"], timeout=5).read().decode()
+    count = next(line for line in router.splitlines()
+                 if line.startswith('pdserve_time_to_first_token_seconds_count{role="router"}'))
+    assert float(count.split()[-1]) >= 1
+    assert scrape(_service(cluster, "decode")["metrics"], "pdserve_kv_transfer_bytes_total", "decode") > 0
+
+
+def test_killed_client_frees_blocks_on_both_workers(cluster, real_text_ids):
+    """SIGKILL a `pdserve generate` process mid-stream: both workers get their blocks back."""
+    before = _free_blocks(cluster)
+    ids = ",".join(map(str, real_text_ids[:150]))
+    client = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "generate", "--url", cluster.ready["router"], "--prompt-ids", ids,
+         "--max-tokens", "1000", "--ignore-eos", "--temperature", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )
+    assert _wait_for(lambda: _free_blocks(cluster)[1] < before[1], timeout=60)  # decoding now
+    client.kill()
+    client.wait()
+    assert _wait_for(lambda: _free_blocks(cluster) == before), (_free_blocks(cluster), before)
+
+
+def _wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()

@@ -1,0 +1,452 @@
+"""`pdserve` command line: flags per the CLI contract, CPU placement, the `generate` client
+against a fake Generation service, and the `serve` supervisor with fake child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services import cli, launcher, placement
+from services.common.errors import ServiceUnavailableError
+from services.common.pb import generate_pb2, generate_pb2_grpc
+from services.common.server import start_service
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def parse(*argv: str):
+    return cli._parser().parse_args(list(argv))
+
+
+# --- flags ---------------------------------------------------------------------------------
+
+
+def test_serve_contract_flags_and_defaults():
+    args = parse("serve")
+    assert (args.model, args.host, args.port, args.http_port) == ("smollm2-135m-instruct", "127.0.0.1", 50051, 8000)
+    assert (args.num_prefill, args.num_decode, args.block_size) == (1, 1, 16)
+    assert (args.dtype, args.max_model_len, args.start_timeout) == (None, None, 120.0)
+    args = parse("serve", "--model", "/m", "--host", "0.0.0.0", "--port", "1", "--http-port", "2",
+                 "--num-prefill", "3", "--num-decode", "4", "--block-size", "32",
+                 "--dtype", "bfloat16", "--max-model-len", "512", "--prefill-threads", "2", "--decode-threads", "1",
+                 "--prefill-cpus", "0-1", "--decode-cpus", "1")
+    assert (args.model, args.host, args.port, args.http_port, args.num_prefill, args.num_decode) == (
+        "/m", "0.0.0.0", 1, 2, 3, 4)
+    assert (args.block_size, args.dtype, args.max_model_len) == (32, "bfloat16", 512)
+    assert (args.prefill_threads, args.decode_threads, args.prefill_cpus, args.decode_cpus) == (2, 1, "0-1", "1")
+    assert parse("serve", "--no-http").http_port is None
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_worker_flags_and_defaults(role):
+    args = parse(role)
+    assert (args.model, args.host, args.port, args.metrics_port) == ("smollm2-135m-instruct", "127.0.0.1", 0, 0)
+    assert (args.block_size, args.dtype, args.max_model_len, args.num_blocks) == (16, None, None, None)
+    assert (args.kv_cache_memory_bytes, args.max_num_seqs, args.max_num_batched_tokens) == (1 << 30, 256, 8192)
+    assert (args.threads, args.cpus, args.engine_id) == (None, None, None)
+    args = parse(role, "--kv-cache-bytes", "1000", "--threads", "2", "--cpus", "0,1", "--engine-id", "e1",
+                 "--num-blocks", "64", "--dtype", "float16")
+    assert (args.kv_cache_memory_bytes, args.threads, args.cpus, args.engine_id) == (1000, 2, "0,1", "e1")
+    assert (args.num_blocks, args.dtype) == (64, "float16")
+    if role == "prefill":
+        assert args.kv_lease_seconds == 30.0 and not hasattr(args, "kv_transfer_timeout")
+    else:
+        assert (args.kv_transfer_timeout, args.debug_zero_kv_block) == (30.0, None)
+        assert parse("decode", "--debug-zero-kv-block", "3").debug_zero_kv_block == 3
+        assert "debug-zero-kv-block" not in cli._parser()._subparsers._group_actions[0].choices["decode"].format_help()
+
+
+def test_router_flags_and_defaults(capsys):
+    args = parse("router", "--prefill", "h:1", "--prefill", "h:2", "--decode", "h:3")
+    assert (args.model, args.host, args.port, args.metrics_port) == ("smollm2-135m-instruct", "127.0.0.1", 50051, 0)
+    assert (args.prefill, args.decode, args.request_timeout, args.http_port) == (["h:1", "h:2"], ["h:3"], 300.0, None)
+    with pytest.raises(SystemExit):
+        parse("router", "--prefill", "h:1")  # a router needs decode workers too
+    assert "--decode" in capsys.readouterr().err
+
+
+def test_generate_contract_flags_and_defaults(capsys):
+    args = parse("generate", "--prompt", "hi")
+    assert (args.url, args.prompt, args.max_tokens, args.temperature, args.top_p, args.top_k) == (
+        "127.0.0.1:50051", "hi", 64, 0.0, 1.0, -1)
+    assert (args.seed, args.stop, args.ignore_eos, args.json, args.timeout) == (None, [], False, False, 300.0)
+    args = parse("generate", "--url", "h:9", "--prompt-ids", "1,2,3", "--max-tokens", "5", "--temperature", "0.7",
+                 "--top-p", "0.9", "--top-k", "40", "--seed", "7", "--stop", "a", "--stop", "b", "--ignore-eos",
+                 "--json", "--timeout", "2.5")
+    assert (args.url, args.prompt_ids, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed) == (
+        "h:9", "1,2,3", 5, 0.7, 0.9, 40, 7)
+    assert (args.stop, args.ignore_eos, args.json, args.timeout) == (["a", "b"], True, True, 2.5)
+    assert parse("generate", "--chat", "hello").chat == "hello"
+    for argv in (["generate"], ["generate", "--prompt", "a", "--chat", "b"]):
+        with pytest.raises(SystemExit):
+            parse(*argv)
+    capsys.readouterr()
+
+
+def test_help_imports_no_heavy_packages():
+    code = ("import sys; from services import cli, launcher; cli._parser().format_help(); "
+            "heavy = {'torch', 'transformers', 'grpc'} & set(sys.modules); assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, check=True, timeout=60)
+
+
+def test_serve_passes_flags_to_its_children():
+    args = parse("serve", "--model", "/m", "--dtype", "bfloat16", "--block-size", "32", "--max-model-len", "256",
+                 "--kv-cache-bytes", "4096", "--num-prefill", "2", "--prefill-cpus", "0", "--decode-threads", "1",
+                 "--port", "6000", "--kv-transfer-timeout", "2")
+    spec = launcher.cluster_spec_from_args(args)
+    assert [(w.name, w.role) for w in spec.workers] == [("prefill-0", "prefill"), ("prefill-1", "prefill"),
+                                                       ("decode-0", "decode")]
+    assert spec.workers[0].argv[:4] == [sys.executable, "-m", "services.cli", "prefill"]
+    prefill, decode = parse(*spec.workers[0].argv[3:]), parse(*spec.workers[2].argv[3:])
+    for worker in (prefill, decode):
+        assert (worker.model, worker.dtype, worker.block_size, worker.max_model_len) == ("/m", "bfloat16", 32, 256)
+        assert (worker.port, worker.metrics_port, worker.kv_cache_memory_bytes) == (0, 0, 4096)
+    assert (prefill.cpus, prefill.threads) == ("0", None)
+    assert (decode.cpus, decode.threads, decode.kv_transfer_timeout) == (None, 1, 2.0)
+    router = spec.router(["h:1", "h:2"], ["h:3"])
+    assert router.role == "router"
+    parsed = parse(*router.argv[3:])
+    assert (parsed.prefill, parsed.decode, parsed.port, parsed.http_port) == (["h:1", "h:2"], ["h:3"], 6000, 8000)
+    assert parsed.max_model_len == 256  # the router refuses what the workers would
+    no_http = launcher.cluster_spec_from_args(parse("serve", "--no-http")).router(["a:1"], ["b:2"])
+    assert parse(*no_http.argv[3:]).http_port is None
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--num-prefill", "0"], "--num-prefill"), (["--num-decode", "-1"], "--num-decode"),
+    (["--prefill-cpus", "x"], "--prefill-cpus"), (["--decode-cpus", "99999"], "--decode-cpus"),
+    (["--prefill-threads", "0"], "--prefill-threads"),
+])
+def test_serve_rejects_bad_flags_before_starting_anything(capsys, argv, flag):
+    assert cli.main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdserve: error: {flag}: ") and err.count("\n") == 1
+
+
+# --- CPU placement -------------------------------------------------------------------------
+
+
+def test_parse_cpu_list():
+    allowed = sorted(os.sched_getaffinity(0))
+    first = allowed[0]
+    assert placement.parse_cpu_list(str(first)) == [first]
+    assert placement.parse_cpu_list(f"{first}-{first}") == [first]
+    if len(allowed) >= 2 and allowed[1] == first + 1:
+        assert placement.parse_cpu_list(f"{first},{first + 1}") == [first, first + 1]
+        assert placement.parse_cpu_list(f"{first}-{first + 1}") == [first, first + 1]
+        assert placement.parse_cpu_list(f" {first + 1} , {first}") == [first, first + 1]
+
+
+@pytest.mark.parametrize("text", ["", "a", "0,,1", "1-0", "-1", "0-", "0:1", "99999"])
+def test_parse_cpu_list_rejects_bad_input(text):
+    with pytest.raises(ValueError, match=r"^--cpus: "):
+        placement.parse_cpu_list(text)
+
+
+def test_apply_cpu_placement():
+    import torch
+
+    allowed, num_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        assert placement.apply_cpu_placement(None, None) is None
+        cpus = ",".join(str(c) for c in sorted(allowed))
+        assert placement.apply_cpu_placement(None, cpus) == sorted(allowed)
+        assert os.sched_getaffinity(0) == allowed and torch.get_num_threads() == len(allowed)
+        placement.apply_cpu_placement(1, None)
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match=r"^--threads: "):
+            placement.apply_cpu_placement(0, None)
+        with pytest.raises(ValueError, match=r"^--cpus: "):
+            placement.apply_cpu_placement(None, "0-x")
+    finally:
+        os.sched_setaffinity(0, allowed)
+        torch.set_num_threads(num_threads)
+
+
+def test_worker_command_reports_bad_cpus_in_one_line(capsys):
+    assert cli.main(["prefill", "--cpus", "3-1"]) == 2
+    assert capsys.readouterr().err == "pdserve: error: --cpus: expected CPU ids like 0,1 or 0-3, got '3-1'\n"
+
+
+# --- generate against a fake router --------------------------------------------------------
+
+
+class FakeGeneration(generate_pb2_grpc.GenerationServicer):
+    """Streams "Hel" + "lo"; the prompt text "invalid" / "unavailable" fails the call."""
+
+    def __init__(self) -> None:
+        self.requests: list[generate_pb2.GenerateRequest] = []
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        if request.text == "invalid":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be >= 1")
+        if request.text == "unavailable":
+            raise ServiceUnavailableError("no healthy decode worker")
+        yield generate_pb2.GenerateResponse(token_ids=[5, 6], text="Hel")
+        yield generate_pb2.GenerateResponse(
+            token_ids=[7], text="lo", finish_reason="length",
+            usage=generate_pb2.Usage(prompt_tokens=3, completion_tokens=3, cached_tokens=1),
+            timings=generate_pb2.Timings(ttft=0.5, e2e=1.5, tokenize=0.25, prefill=0.125, kv_transfer=0.0625,
+                                         decode=1.0),
+        )
+
+
+@pytest.fixture(scope="module")
+def fake_router():
+    servicer = FakeGeneration()
+    service = start_service(
+        "router", [(generate_pb2_grpc.add_GenerationServicer_to_server, servicer, "pdserve.v1.Generation")],
+        "127.0.0.1", 0, 0,
+    )
+    yield service.grpc_address, servicer
+    service.server.stop(0).wait()
+
+
+def test_generate_json(fake_router, capsys):
+    url, servicer = fake_router
+    argv = ["generate", "--url", url, "--prompt", "hi", "--json", "--max-tokens", "3", "--seed", "7",
+            "--stop", "a", "--stop", "b", "--ignore-eos", "--temperature", "0.5", "--top-k", "5"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    assert json.loads(out) == {
+        "text": "Hello", "token_ids": [5, 6, 7], "finish_reason": "length",
+        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "cached_tokens": 1},
+        "timings": {"ttft": 0.5, "e2e": 1.5, "tokenize": 0.25, "prefill": 0.125, "kv_transfer": 0.0625,
+                    "decode": 1.0},
+    }
+    request = servicer.requests[-1]
+    assert request.WhichOneof("prompt") == "text" and request.text == "hi"
+    sampling = request.sampling
+    assert (sampling.max_tokens, sampling.seed, list(sampling.stop), sampling.ignore_eos) == (3, 7, ["a", "b"], True)
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.5, 1.0, 5)
+
+
+def test_generate_streams_text(fake_router, capsys):
+    url, servicer = fake_router
+    assert cli.main(["generate", "--url", url, "--chat", "Say hello"]) == 0
+    assert capsys.readouterr().out == "Hello\n"
+    request = servicer.requests[-1]
+    assert request.WhichOneof("prompt") == "chat"
+    assert [(m.role, m.content) for m in request.chat.messages] == [("user", "Say hello")]
+    assert not request.sampling.HasField("seed") and request.sampling.temperature == 0.0
+
+    assert cli.main(["generate", "--url", url, "--prompt-ids", "1,2,3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == "Hello"
+    assert list(servicer.requests[-1].token_ids.ids) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("prompt, code, status", [
+    ("invalid", 2, "INVALID_ARGUMENT: max_tokens: must be >= 1"),
+    ("unavailable", 1, "UNAVAILABLE: no healthy decode worker"),
+])
+def test_generate_error_status(fake_router, capsys, prompt, code, status):
+    url, _ = fake_router
+    assert cli.main(["generate", "--url", url, "--prompt", prompt, "--json"]) == code
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"pdserve: error: {status}\n"
+
+
+def test_generate_without_a_server_fails_fast(capsys):
+    start = time.monotonic()
+    assert cli.main(["generate", "--url", "127.0.0.1:1", "--prompt", "hi", "--timeout", "20"]) == 1
+    assert time.monotonic() - start < 15
+    assert capsys.readouterr().err.startswith("pdserve: error: UNAVAILABLE: ")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-ids", "1,x"], "prompt-ids: expected comma-separated integers"),
+    (["--prompt", "hi", "--seed", "-1"], "--seed: must be in [0, 2**64)"),
+])
+def test_generate_rejects_bad_input_before_sending(fake_router, capsys, argv, message):
+    url, servicer = fake_router
+    sent = len(servicer.requests)
+    assert cli.main(["generate", "--url", url, *argv]) == 2
+    assert capsys.readouterr().err.startswith(f"pdserve: error: {message}")
+    assert len(servicer.requests) == sent
+
+
+# --- the serve supervisor with fake children -----------------------------------------------
+
+FAKE_SERVICE = """
+import json, os, signal, sys, time
+role, mode = sys.argv[1], sys.argv[2]
+print(f"{role} starting", file=sys.stderr, flush=True)
+if mode == "die":
+    print(f"{role}: cannot load the model", file=sys.stderr, flush=True)
+    sys.exit(3)
+if mode == "hang":
+    time.sleep(60)
+if mode == "bad":
+    print("ready {not json", flush=True)
+    time.sleep(60)
+if mode == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+port = 20000 + os.getpid() % 20000
+info = {"role": role, "grpc": f"127.0.0.1:{port}", "metrics": f"http://127.0.0.1:{port + 1}/metrics",
+        "pid": os.getpid()}
+if role == "router":
+    info["http"] = "http://127.0.0.1:8000"
+print("ready " + json.dumps(info), flush=True)
+print("stdout after ready goes to the supervisor's stderr", flush=True)
+if mode == "exit-after-ready":
+    time.sleep(1.0)
+    sys.exit(4)
+while True:
+    time.sleep(1)
+"""
+
+DRIVER = """
+import sys
+from services.launcher import ChildSpec, ClusterSpec, Supervisor
+
+fake, mode, stop_timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+
+def child(name, role, mode, *extra):
+    return ChildSpec(name, role, [sys.executable, fake, role, mode, *extra])
+
+workers = [child("prefill-0", "prefill", mode), child("prefill-1", "prefill", mode), child("decode-0", "decode", mode)]
+spec = ClusterSpec(workers, lambda p, d: child("router", "router", "ok", *p, *d), start_timeout=30,
+                   stop_timeout=stop_timeout)
+sys.exit(Supervisor(spec).run())
+"""
+
+
+@pytest.fixture
+def fake_service(tmp_path) -> str:
+    path = tmp_path / "fake_service.py"
+    path.write_text(FAKE_SERVICE)
+    return str(path)
+
+
+def _spec(fake: str, modes: dict[str, str], routed: list | None = None, **kwargs) -> launcher.ClusterSpec:
+    def child(name: str, role: str, *extra: str) -> launcher.ChildSpec:
+        return launcher.ChildSpec(name, role, [sys.executable, fake, role, modes.get(name, "ok"), *extra])
+
+    def router(prefill: list[str], decode: list[str]) -> launcher.ChildSpec:
+        if routed is not None:
+            routed.append((prefill, decode))
+        return child("router", "router")
+
+    return launcher.ClusterSpec([child("prefill-0", "prefill"), child("decode-0", "decode")], router, **kwargs)
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie awaiting its reaper)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def _start_driver(tmp_path: Path, fake: str, mode: str = "ok", stop_timeout: float = 10.0):
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(driver), fake, mode, str(stop_timeout)], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
+    try:
+        line = lines.get(timeout=60)
+    except queue.Empty:
+        proc.kill()
+        pytest.fail(f"no ready line; stderr: {proc.communicate()[1]}")
+    assert line.startswith("ready "), (line, proc.stderr.read() if proc.poll() is not None else "")
+    return proc, json.loads(line[len("ready "):])
+
+
+def test_serve_ready_line_and_sigterm_stops_every_child(tmp_path, fake_service):
+    proc, info = _start_driver(tmp_path, fake_service)
+    try:
+        assert set(info) == {"router", "http", "services"}
+        assert [s["role"] for s in info["services"]] == ["router", "prefill", "prefill", "decode"]
+        assert all(set(s) == {"role", "grpc", "metrics", "pid"} for s in info["services"])
+        assert info["router"] == info["services"][0]["grpc"] and info["http"] == "http://127.0.0.1:8000"
+        assert all(s["metrics"].startswith("http://127.0.0.1:") and s["metrics"].endswith("/metrics")
+                   for s in info["services"])
+        pids = [s["pid"] for s in info["services"]]
+        assert len(set(pids)) == 4 and all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert out == "" and "[prefill-1] prefill starting" in err
+    assert "[router] stdout after ready goes to the supervisor's stderr" in err
+    assert _wait_dead(pids, timeout=2) == []
+
+
+def test_serve_kills_children_that_ignore_sigterm(tmp_path, fake_service):
+    proc, info = _start_driver(tmp_path, fake_service, mode="ignore-term", stop_timeout=1.0)
+    pids = [s["pid"] for s in info["services"]]
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and time.monotonic() - start < 10
+    assert "decode-0" in err and "still running 1 s after SIGTERM; killing it" in err
+    assert _wait_dead(pids, timeout=2) == []
+
+
+def test_killed_supervisor_leaves_no_orphans(tmp_path, fake_service):
+    proc, info = _start_driver(tmp_path, fake_service)
+    pids = [s["pid"] for s in info["services"]]
+    proc.kill()  # no chance to clean up: the kernel's PR_SET_PDEATHSIG must do it
+    proc.communicate(timeout=30)
+    assert _wait_dead(pids) == []
+
+
+def test_serve_fails_when_a_worker_dies_at_start(fake_service, capsys):
+    routed: list = []
+    assert launcher.Supervisor(_spec(fake_service, {"decode-0": "die"}, routed, stop_timeout=5)).run() == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and routed == []  # no router was started
+    assert "pdserve: error: decode-0 (pid " in captured.err
+    assert "exited with code 3 before it was ready; last stderr lines:" in captured.err
+    assert "  decode: cannot load the model" in captured.err
+
+
+def test_serve_fails_when_a_worker_is_never_ready(fake_service, capsys):
+    spec = _spec(fake_service, {"prefill-0": "hang"}, start_timeout=1.0, stop_timeout=5)
+    start = time.monotonic()
+    assert launcher.Supervisor(spec).run() == 1
+    assert time.monotonic() - start < 10
+    err = capsys.readouterr().err
+    assert "pdserve: error: prefill-0 (pid " in err and "not ready after 1 s" in err and "prefill starting" in err
+
+
+def test_serve_fails_on_a_bad_ready_line(fake_service, capsys):
+    assert launcher.Supervisor(_spec(fake_service, {"prefill-0": "bad"}, stop_timeout=5)).run() == 1
+    assert "prefill-0 (pid " in capsys.readouterr().err
+
+
+def test_serve_stops_the_cluster_when_a_child_dies_while_serving(fake_service, capsys):
+    routed: list = []
+    supervisor = launcher.Supervisor(_spec(fake_service, {"decode-0": "exit-after-ready"}, routed, stop_timeout=5))
+    assert supervisor.run() == 1
+    captured = capsys.readouterr()
+    ready = json.loads(captured.out.removeprefix("ready "))
+    assert [s["role"] for s in ready["services"]] == ["router", "prefill", "decode"]
+    assert routed == [([ready["services"][1]["grpc"]], [ready["services"][2]["grpc"]])]
+    assert "decode-0 (pid " in captured.err and "exited with code 4" in captured.err
+    assert all(child.proc.returncode is not None for child in supervisor.children)

@@ -1,0 +1,44 @@
+"""EngineLoop: RPC threads reach a busy engine promptly, outputs stream, aborts free blocks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.common.engine_loop import EngineLoop
+from services.engine import SamplingParams
+from tests.engine.helpers import GREEDY, make_engine
+
+
+def test_calls_are_served_while_the_engine_is_busy(tiny_llama):
+    engine = make_engine(tiny_llama, num_blocks=512, max_model_len=1024)
+    loop = EngineLoop(engine, "both")
+    loop.start()
+    try:
+        stream = loop.submit("long", list(range(2, 50)), SamplingParams(max_tokens=900, **GREEDY))
+        first = stream.get(timeout=30)
+        assert first.request_id == "long" and not first.finished
+        started = time.monotonic()
+        for _ in range(20):  # each call waits for at most one step, never for the whole request
+            assert loop.call(lambda: engine.scheduler.num_running) == 1
+        assert time.monotonic() - started < 5
+        assert loop.abort("long") is True
+        assert loop.call(lambda: engine.kv_cache.pool.num_free_blocks) == 512
+        assert loop.abort("long") is False
+        done = loop.submit("short", [3, 4, 5], SamplingParams(max_tokens=3, **GREEDY))
+        outputs = [done.get(timeout=30) for _ in range(3)]
+        assert outputs[-1].finished and len(outputs[-1].output_token_ids) == 3
+    finally:
+        loop.stop()
+
+
+def test_call_propagates_exceptions(tiny_llama):
+    loop = EngineLoop(make_engine(tiny_llama, num_blocks=16), "both")
+    loop.start()
+    try:
+        with pytest.raises(ZeroDivisionError):
+            loop.call(lambda: 1 / 0)
+        assert loop.call(lambda: 42) == 42
+    finally:
+        loop.stop()

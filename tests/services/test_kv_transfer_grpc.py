@@ -1,0 +1,90 @@
+"""The gRPC KV-transfer path between a PREFILL and a DECODE engine, in one process over loopback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.convert import tensor_from_bytes, tensor_to_bytes
+from services.common.kv_transfer_grpc import GrpcKVTransfer, KVTransferServicer
+from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.server import start_service
+from services.engine import EngineRole, SamplingParams
+from services.engine.errors import KVTransferError
+from tests.engine.helpers import GREEDY, make_engine, run_to_completion
+
+
+@pytest.fixture
+def prefill_side(tiny_llama):
+    """A PREFILL engine whose KVTransfer service streams chunks of at most 3 blocks."""
+    transfer = GrpcKVTransfer("prefill")
+    engine = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=256, block_size=4, kv_transfer=transfer)
+    block_bytes = engine.kv_cache.spec.bytes_per_block
+    # The test drives the engine itself, one call at a time, so the servicer may touch it directly.
+    servicer = KVTransferServicer(transfer, lambda fn: fn(), engine.kv_cache.spec, chunk_bytes=3 * block_bytes)
+    service = start_service("prefill", [(worker_pb2_grpc.add_KVTransferServicer_to_server, servicer,
+                                         "pdserve.v1.KVTransfer")], "127.0.0.1", 0, 0)
+    yield engine, service.grpc_address, block_bytes
+    service.server.stop(0)
+
+
+def _prefill(engine, request_id: str, prompt: list[int]):
+    engine.add_request(prompt, SamplingParams(max_tokens=8, **GREEDY), request_id=request_id)
+    (out,) = engine.step()
+    return out.kv_handle
+
+
+def test_pull_streams_bounded_chunks_and_decodes_like_both(tiny_llama, prefill_side):
+    prefill, address, block_bytes = prefill_side
+    prompt = list(range(3, 40))  # 37 tokens -> 10 blocks of 4 -> 4 chunks of <= 3 blocks
+    handle = _prefill(prefill, "r", prompt)
+    stub = worker_pb2_grpc.KVTransferStub(__import__("grpc").insecure_channel(address))
+    from services.common.convert import handle_to_proto
+
+    chunks = list(stub.PullKV(worker_pb2.PullKVRequest(handle=handle_to_proto(handle, address))))
+    assert [c.num_blocks for c in chunks] == [3, 3, 3, 1]
+    assert all(len(c.data) <= 3 * block_bytes for c in chunks)
+    assert chunks[0].HasField("layout") and not chunks[1].HasField("layout")
+
+    transfer = GrpcKVTransfer("decode")
+    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=256, block_size=4, kv_transfer=transfer)
+    transfer.set_source("r", address)
+    decode.add_request(prompt, SamplingParams(max_tokens=8, **GREEDY), request_id="r", kv_handle=handle)
+    outs = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            outs[out.request_id] = out.output_token_ids
+    assert decode.scheduler.num_prompt_tokens_computed == 0
+    assert prefill.kv_cache.pool.num_used_blocks == 0  # ReleaseKV unpinned the source
+    both, _ = run_to_completion(make_engine(tiny_llama, num_blocks=256, block_size=4),
+                                {"r": (prompt, SamplingParams(max_tokens=8, **GREEDY))})
+    assert outs["r"] == both["r"]
+    assert transfer.bytes_transferred == 10 * block_bytes
+
+
+def test_pull_of_a_released_handle_fails_cleanly(tiny_llama, prefill_side):
+    prefill, address, _ = prefill_side
+    handle = _prefill(prefill, "gone", list(range(3, 20)))
+    prefill.abort("gone")
+    transfer = GrpcKVTransfer("decode", timeout_s=5)
+    transfer.set_source("gone", address)
+    with pytest.raises(KVTransferError, match="NOT_FOUND"):
+        transfer.pull(handle)
+
+
+def test_pull_from_a_dead_address_fails_within_the_timeout(tiny_llama, prefill_side):
+    prefill, _, _ = prefill_side
+    handle = _prefill(prefill, "x", list(range(3, 20)))
+    transfer = GrpcKVTransfer("decode", timeout_s=2)
+    transfer.set_source("x", "127.0.0.1:1")
+    with pytest.raises(KVTransferError, match="UNAVAILABLE|DEADLINE_EXCEEDED"):
+        transfer.pull(handle)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tensor_bytes_round_trip(dtype):
+    tensor = torch.randn(2, 2, 3, 4, 1, 8).to(dtype)
+    again = tensor_from_bytes(tensor_to_bytes(tensor), dtype, tuple(tensor.shape))
+    assert torch.equal(again, tensor)
+    with pytest.raises(ValueError, match="kv chunk"):
+        tensor_from_bytes(tensor_to_bytes(tensor)[:-2], dtype, tuple(tensor.shape))
