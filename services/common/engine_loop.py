@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from services.common import metrics
+from services.common.errors import ServiceUnavailableError
 from services.engine import Engine, SamplingParams
 from services.engine.kv_transfer.base import KVHandle
 from services.engine.outputs import RequestOutput
@@ -25,6 +26,10 @@ from services.engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class ShuttingDownError(ServiceUnavailableError):
+    """The engine thread has stopped (-> UNAVAILABLE)."""
 POLL_SECONDS = 0.05  # how long an idle loop waits for a call before running its hooks again
 CALL_TIMEOUT_S = 60.0
 
@@ -48,9 +53,17 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread; calls still queued (or made later) fail with ShuttingDownError."""
         self._stopped = True
         self._calls.put(None)
         self._thread.join(timeout=10)
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[1].set_exception(ShuttingDownError("the worker is shutting down"))
 
     def add_idle_hook(self, hook: Callable[[], None]) -> None:
         """`hook()` runs on the loop thread between steps."""
@@ -63,6 +76,8 @@ class EngineLoop:
         """
         if threading.current_thread() is self._thread:
             return fn()
+        if self._stopped:
+            raise ShuttingDownError("the worker is shutting down")
         future: Future = Future()
         self._calls.put((fn, future))
         return future.result(timeout=timeout)

@@ -49,9 +49,27 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         self._channels: dict[str, grpc.Channel] = {}
         self._channel_lock = threading.Lock()
         self.pull_seconds: dict[str, float] = {}  # request_id -> seconds its last pull took
+        self._prefetched: dict[str, torch.Tensor] = {}  # request_id -> KV pulled ahead of the engine
 
     def set_source(self, request_id: str, address: str) -> None:
         self._addresses[request_id] = address
+
+    def prefetch(self, handle: KVHandle) -> None:
+        """Pull the handle's blocks now, on the calling thread, and release the source's pin.
+
+        The decode worker calls this from its RPC thread before the request reaches the engine,
+        so a slow or busy prefill worker delays only this request, never the running batch;
+        the engine's later `pull` takes the prefetched copy. Raises KVTransferError.
+        """
+        data = self.pull(handle)
+        with self._channel_lock:
+            self._prefetched[handle.request_id] = data
+        self.complete(handle)
+
+    def discard(self, request_id: str) -> None:
+        """Drop a prefetched copy the engine never took (the request ended first)."""
+        with self._channel_lock:
+            self._prefetched.pop(request_id, None)
 
     def _stub(self, address: str) -> worker_pb2_grpc.KVTransferStub:
         with self._channel_lock:
@@ -60,6 +78,10 @@ class GrpcKVTransfer(InMemoryKVTransfer):
             return worker_pb2_grpc.KVTransferStub(self._channels[address])
 
     def pull(self, handle: KVHandle) -> torch.Tensor:
+        with self._channel_lock:
+            prefetched = self._prefetched.pop(handle.request_id, None)
+        if prefetched is not None:
+            return prefetched
         if self.is_local(handle):
             return super().pull(handle)
         address = self._addresses.get(handle.request_id)

@@ -24,6 +24,9 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Servers also refuse a port another process already listens on (gRPC sets SO_REUSEPORT by
+# default, which would let two clusters silently share one port and split its clients).
+SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 @dataclass
@@ -52,12 +55,14 @@ def start_service(
 ) -> RunningService:
     """Start a server with the given servicers: [(add_XServicer_to_server, servicer, full service name)].
 
+    `max_workers` bounds concurrent RPCs (a streaming call holds a thread for its whole life).
+
     Raises RuntimeError when the port cannot be bound.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{role}-rpc"),
         interceptors=[ErrorInterceptor()],
-        options=GRPC_OPTIONS,
+        options=SERVER_OPTIONS,
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -68,9 +73,12 @@ def start_service(
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"port: cannot bind {host}:{port}")
+        raise RuntimeError(f"port: cannot bind {host}:{port} (in use, or not a local address)")
     server.start()
     metrics_bound = start_metrics_server(host, metrics_port)
     return RunningService(role, server, f"{host}:{bound}", f"http://{host}:{metrics_bound}/metrics", health_servicer)

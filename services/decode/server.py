@@ -9,17 +9,18 @@ at once (and, if the KV never landed, tells the prefill worker to unpin).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 
 from services.common.convert import handle_from_proto, sampling_from_proto
-from services.common.engine_loop import EngineLoop
+from services.common.engine_loop import EngineLoop, ShuttingDownError
 from services.common.errors import ServiceUnavailableError
 from services.common.kv_transfer_grpc import GrpcKVTransfer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import start_service, wait_for_termination
 from services.common.worker import engine_config, next_output, worker_info
 from services.engine import Engine, EngineRole
-from services.engine.errors import InvalidRequestError
+from services.engine.errors import InvalidRequestError, KVTransferError
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +34,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         if not request.request_id or not request.HasField("kv_handle"):
             raise InvalidRequestError("kv_handle", "a decode request needs request_id and the prefill's kv_handle")
         handle, source = handle_from_proto(request.kv_handle)
-        self.transfer.set_source(request.request_id, source)
         params = sampling_from_proto(request.sampling)
-        stream = self.loop.submit(request.request_id, list(request.prompt_token_ids), params, kv_handle=handle)
+        self.transfer.set_source(request.request_id, source)
+        try:  # pull on this RPC thread: the engine thread keeps stepping the running batch
+            self.transfer.prefetch(handle)
+        except KVTransferError as exc:
+            raise ServiceUnavailableError(f"prompt KV of {request.request_id!r}: {exc}") from exc
+        try:
+            stream = self.loop.submit(request.request_id, list(request.prompt_token_ids), params, kv_handle=handle)
+        except BaseException:
+            self.transfer.discard(request.request_id)
+            raise
         try:
             while (out := next_output(stream, context)) is not None:
                 if out.finish_reason == "error":
@@ -49,8 +58,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 if out.finished:
                     return
         finally:
-            self.loop.abort(request.request_id)  # no-op once finished; frees blocks on cancel
+            self.transfer.discard(request.request_id)
             self.transfer.pull_seconds.pop(request.request_id, None)
+            with contextlib.suppress(ShuttingDownError):  # the engine is gone: nothing to free
+                self.loop.abort(request.request_id)  # no-op once finished; frees blocks on cancel
 
     def GetInfo(self, request, context):
         return worker_info(self.loop, "decode")
@@ -64,6 +75,7 @@ def serve(args: argparse.Namespace) -> None:
     service = start_service(
         "decode", [(worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(loop, transfer), "pdserve.v1.Decode")],
         args.host, args.port, args.metrics_port,
+        max_workers=args.max_num_seqs + 64,  # every running request holds one streaming RPC
     )
     loop.start()
     print(service.ready_line(engine_id=engine.config.engine_id), flush=True)

@@ -250,8 +250,9 @@ class Engine(KVSource):
     # -- KVSource ------------------------------------------------------------------------------
 
     def read_kv(self, handle: KVHandle) -> torch.Tensor:
-        if handle.request_id not in self.pinned:
-            raise RequestNotFoundError(handle.request_id)
+        request = self.pinned.get(handle.request_id)
+        if request is None or tuple(request.block_table[: len(handle.block_ids)]) != handle.block_ids:
+            raise RequestNotFoundError(handle.request_id)  # only a pinned request's own blocks
         return self.kv_cache.read_blocks(list(handle.block_ids))
 
     def release_kv(self, request_id: str) -> None:

@@ -20,6 +20,7 @@ from services.router.http_api import HttpApi
 from services.router.prompt import ModelInfo
 from services.router.workers import WorkerPool
 
+ROUTER_MAX_STREAMS = 1024  # concurrent Generate streams (one thread each)
 SERVICE_NAME = "pdserve.v1.Generation"
 
 
@@ -84,6 +85,7 @@ def start_router(args: argparse.Namespace) -> RunningRouter:
     service = start_service(
         "router", [(generate_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME)],
         args.host, args.port, args.metrics_port,
+        max_workers=ROUTER_MAX_STREAMS,
     )
     http = None
     http_port = getattr(args, "http_port", None)

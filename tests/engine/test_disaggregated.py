@@ -186,3 +186,12 @@ def test_dtype_mismatch_is_refused_without_harm(tiny_llama):
     assert decode.kv_cache.pool.num_free_blocks == 64
     assert prefill.kv_cache.pool.num_free_blocks == 64  # the source was told to unpin
     decode.check_integrity()
+
+
+def test_source_serves_only_the_pinned_requests_own_blocks(tiny_llama):
+    prefill, decode, transfer = _pair(tiny_llama)
+    handle = _prefilled(prefill, "a", prompt=range(2, 30))
+    forged = dataclasses.replace(handle, block_ids=tuple(b for b in range(2) if b not in handle.block_ids) or (999,))
+    with pytest.raises(KeyError):
+        prefill.read_kv(forged)
+    assert prefill.read_kv(handle).shape[2] == len(handle.block_ids)

@@ -42,3 +42,27 @@ def test_call_propagates_exceptions(tiny_llama):
         assert loop.call(lambda: 42) == 42
     finally:
         loop.stop()
+
+
+def test_a_taken_port_is_refused():
+    from services.common.server import start_service
+
+    first = start_service("router", [], "127.0.0.1", 0, 0)
+    try:
+        port = int(first.grpc_address.rsplit(":", 1)[1])
+        with pytest.raises(RuntimeError, match="^port: cannot bind"):
+            start_service("router", [], "127.0.0.1", port, 0)
+    finally:
+        first.server.stop(0)
+
+
+def test_calls_after_stop_fail_fast(tiny_llama):
+    from services.common.engine_loop import ShuttingDownError
+
+    loop = EngineLoop(make_engine(tiny_llama, num_blocks=16), "both")
+    loop.start()
+    loop.stop()
+    started = time.monotonic()
+    with pytest.raises(ShuttingDownError):
+        loop.abort("anything")
+    assert time.monotonic() - started < 1
