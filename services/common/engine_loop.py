@@ -174,7 +174,12 @@ class EngineLoop:
         engine, role = self.engine, self.role
         pool = engine.kv_cache.pool
         metrics.KV_BLOCKS_FREE.labels(role).set(pool.num_free_blocks)
-        metrics.KV_BLOCKS_PINNED.labels(role).set(sum(len(r.block_table) for r in engine.pinned.values()))
+        pinned = sum(len(r.block_table) for r in engine.pinned.values())
+        block_bytes = engine.kv_cache.spec.bytes_per_block
+        metrics.KV_BLOCKS_PINNED.labels(role).set(pinned)
+        metrics.KV_CACHE_BYTES.labels(role, "free").set(pool.num_free_blocks * block_bytes)
+        metrics.KV_CACHE_BYTES.labels(role, "used").set((pool.num_used_blocks - pinned) * block_bytes)
+        metrics.KV_CACHE_BYTES.labels(role, "pinned").set(pinned * block_bytes)
         metrics.KV_CACHE_USAGE.labels(role).set(pool.num_used_blocks / pool.num_blocks)
         metrics.NUM_REQUESTS_RUNNING.labels(role).set(engine.scheduler.num_running)
         metrics.NUM_REQUESTS_WAITING.labels(role).set(engine.scheduler.num_waiting)

@@ -42,6 +42,13 @@ PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens received.", ["ro
 GENERATION_TOKENS = Counter("pdserve_generation_tokens", "Tokens generated.", ["role"])
 REQUEST_SUCCESS = Counter("pdserve_request_success", "Finished requests.", ["role", "finish_reason"])
 REQUEST_ERRORS = Counter("pdserve_request_errors", "Failed requests by gRPC code.", ["role", "code"])
+REQUEST_PROMPT_TOKENS = Histogram(
+    "pdserve_request_prompt_tokens", "Prompt tokens per finished request.", ["role"], buckets=TOKEN_BUCKETS
+)
+REQUEST_GENERATION_TOKENS = Histogram(
+    "pdserve_request_generation_tokens", "Generated tokens per finished request.", ["role"], buckets=TOKEN_BUCKETS
+)
+KV_CACHE_BYTES = Gauge("pdserve_kv_cache_bytes", "KV cache bytes by state (free, used, pinned).", ["role", "state"])
 TOKENIZE_TIME = Histogram("pdserve_tokenize_time_seconds", "Prompt tokenization.", ["role"], buckets=LATENCY_BUCKETS)
 
 

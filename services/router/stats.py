@@ -73,6 +73,8 @@ class RequestStats:
             tpot = (end - self.start - ttft) / (self.num_tokens - 1)
             metrics.TIME_PER_OUTPUT_TOKEN.labels(ROLE).observe(tpot)
         metrics.REQUEST_SUCCESS.labels(ROLE, finish_reason).inc()
+        metrics.REQUEST_PROMPT_TOKENS.labels(ROLE).observe(self.prompt_tokens)
+        metrics.REQUEST_GENERATION_TOKENS.labels(ROLE).observe(self.num_tokens)
 
     def on_failed(self, code: grpc.StatusCode) -> None:
         metrics.REQUEST_ERRORS.labels(ROLE, code.name).inc()

@@ -170,6 +170,9 @@ def test_every_service_exports_metrics(cluster):
     count = next(line for line in router.splitlines()
                  if line.startswith('pdserve_time_to_first_token_seconds_count{role="router"}'))
     assert float(count.split()[-1]) >= 1
+    assert 'pdserve_request_generation_tokens_count{role="router"}' in router
+    decode_page = urllib.request.urlopen(_service(cluster, "decode")["metrics"], timeout=5).read().decode()
+    assert 'pdserve_kv_cache_bytes{role="decode",state="free"}' in decode_page
     assert scrape(_service(cluster, "decode")["metrics"], "pdserve_kv_transfer_bytes_total", "decode") > 0
 
 
