@@ -174,7 +174,7 @@ class EngineLoop:
         engine, role = self.engine, self.role
         pool = engine.kv_cache.pool
         metrics.KV_BLOCKS_FREE.labels(role).set(pool.num_free_blocks)
-        pinned = sum(len(r.block_table) for r in engine.pinned.values())
+        pinned = engine.num_pinned_blocks
         block_bytes = engine.kv_cache.spec.bytes_per_block
         metrics.KV_BLOCKS_PINNED.labels(role).set(pinned)
         metrics.KV_CACHE_BYTES.labels(role, "free").set(pool.num_free_blocks * block_bytes)

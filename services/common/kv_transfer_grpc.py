@@ -18,7 +18,14 @@ import grpc
 import torch
 
 from services.common import metrics
-from services.common.convert import handle_to_proto, layout_from_proto, layout_to_proto, tensor_from_bytes, tensor_to_bytes
+from services.common.convert import (
+    handle_from_proto,
+    handle_to_proto,
+    layout_from_proto,
+    layout_to_proto,
+    tensor_from_bytes,
+    tensor_to_bytes,
+)
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import GRPC_OPTIONS
 from services.engine.errors import KVTransferError, RequestNotFoundError
@@ -143,8 +150,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         self.chunk_bytes = chunk_bytes
 
     def PullKV(self, request, context):
-        handle = KVHandle(request.handle.request_id, request.handle.engine_id, tuple(request.handle.block_ids),
-                          request.handle.num_tokens, request.handle.first_token_id)
+        handle, _ = handle_from_proto(request.handle)
         # A copy, read on the engine thread: later frees cannot change what we send.
         data = self.on_engine(lambda: self.transfer.pull(handle))
         block_bytes = data[:, :, :1].numel() * data.element_size()

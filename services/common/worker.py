@@ -38,7 +38,7 @@ def worker_info(loop: EngineLoop, role: str) -> common_pb2.WorkerInfo:
             role=role, engine_id=engine.config.engine_id, model=engine.config.model,
             kv_layout=layout_to_proto(engine.kv_cache.spec), max_model_len=engine.config.max_model_len,
             vocab_size=engine.runner.vocab_size, num_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
-            num_pinned_blocks=sum(len(r.block_table) for r in engine.pinned.values()),
+            num_pinned_blocks=engine.num_pinned_blocks,
             num_running=engine.scheduler.num_running, num_waiting=engine.scheduler.num_waiting,
             num_prompt_tokens_computed=engine.scheduler.num_prompt_tokens_computed,
             max_step_tokens_per_request=loop.max_step_tokens_per_request,

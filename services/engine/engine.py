@@ -299,6 +299,11 @@ class Engine(KVSource):
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         return detok.add_tokens(token_ids) + detok.flush()
 
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks held for KV export (PREFILL role), awaiting a pull or their lease."""
+        return sum(len(r.block_table) for r in self.pinned.values())
+
     def check_integrity(self) -> None:
         """Raise RuntimeError if block accounting is broken (tests call it after every step)."""
         self.kv_cache.pool.check_integrity()

@@ -89,6 +89,10 @@ class KVCache:
         self.kv.index_copy_(2, index, data.to(device=self.kv.device, dtype=self.kv.dtype))
 
 
-def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Flat cache slots of token positions [start, end) of one request."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of token positions [start, end) of one request: [end - start] long.
+
+    slot = block_table[pos // block_size] * block_size + pos % block_size.
+    """
+    positions = torch.arange(start, end)
+    return torch.tensor(block_table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size

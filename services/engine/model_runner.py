@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from services.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.errors import InvalidRequestError
-from services.engine.kv_cache import KVCache
+from services.engine.kv_cache import KVCache, slot_mapping
 from services.engine.models import MODEL_REGISTRY
 from services.engine.sampler import sample
 from services.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -89,7 +89,6 @@ class ModelRunner:
         block_size = self.kv_cache.spec.block_size
         ids: list[int] = []
         pos: list[int] = []
-        tables: list[list[int]] = []
         prefills: list[PrefillSeq] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -99,7 +98,6 @@ class ModelRunner:
             start = len(ids)
             ids.extend(item.token_ids)
             pos.extend(range(item.start_position, item.start_position + n))
-            tables.append(item.block_table)
             context_len = item.start_position + n
             num_blocks = -(-context_len // block_size)
             if n > 1:
@@ -111,7 +109,7 @@ class ModelRunner:
             logits_rows.append(start + n - 1)
         positions = torch.tensor(pos, dtype=torch.long)
         meta = AttentionMetadata(
-            slot_mapping=self._slot_mapping(items, positions).to(self.device),
+            slot_mapping=self._slot_mapping(items).to(self.device),
             prefills=tuple(prefills),
             num_prefill_tokens=sum(p.query_len for p in prefills),
             decode_block_tables=_pad(decode_tables).to(self.device),
@@ -119,16 +117,13 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.long, device=self.device), positions.to(self.device), meta, logits_rows
 
-    def _slot_mapping(self, items: list[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
-        """[num_tokens] flat slot = block_table[pos // block_size] * block_size + pos % block_size."""
+    def _slot_mapping(self, items: list[ScheduledRequest]) -> torch.Tensor:
+        """[num_tokens] flat cache slot of every token in the step, in batch order."""
         block_size = self.kv_cache.spec.block_size
-        block_ids = torch.cat([
-            torch.tensor(item.block_table, dtype=torch.long)[
-                torch.arange(item.start_position, item.start_position + len(item.token_ids)) // block_size
-            ]
+        return torch.cat([
+            slot_mapping(item.block_table, item.start_position, item.start_position + len(item.token_ids), block_size)
             for item in items
         ])
-        return block_ids * block_size + positions % block_size
 
     def check_token_ids(self, token_ids: list[int], field_name: str) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
