@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +38,30 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: flat cache slot of each new token
     prefills: tuple[PrefillSeq, ...]
     num_prefill_tokens: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] long, padded with 0
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] long, padded with each row's first block
     decode_context_lens: torch.Tensor  # [num_decodes] long, including the new token
+    block_size: int  # tokens per KV block
 
     @property
     def num_decodes(self) -> int:
         return int(self.decode_context_lens.shape[0])
+
+    @cached_property
+    def decode_slots(self) -> torch.Tensor:
+        """[num_decodes * max_blocks * block_size] long: the cache slot of every (request,
+        position) pair of the padded decode batch (computed once per step)."""
+        offsets = torch.arange(self.block_size, device=self.decode_block_tables.device)
+        return (self.decode_block_tables[:, :, None] * self.block_size + offsets).reshape(-1)
+
+    @cached_property
+    def decode_bias(self) -> torch.Tensor:
+        """[num_decodes, 1, max_blocks * block_size] float32: 0 at a request's positions, -inf past
+        its context (computed once per step, shared by every layer)."""
+        num_decodes, max_blocks = self.decode_block_tables.shape
+        max_len = max_blocks * self.block_size
+        positions = torch.arange(max_len, device=self.decode_context_lens.device)
+        bias = torch.zeros(num_decodes, 1, max_len, device=positions.device)
+        return bias.masked_fill_((positions[None, :] >= self.decode_context_lens[:, None])[:, None, :], float("-inf"))
 
 
 class AttentionBackend(ABC):
@@ -80,8 +99,11 @@ class TorchSDPABackend(AttentionBackend):
             out[rows] = _prefill_attention(query[rows], key[rows], value[rows], k_cache, v_cache, seq, scale)
         if meta.num_decodes:
             rows = slice(meta.num_prefill_tokens, None)
-            out[rows] = _decode_attention(query[rows], k_cache, v_cache, meta, scale)
+            out[rows] = self._decode(query[rows], k_cache, v_cache, meta, scale)
         return out
+
+    def _decode(self, q, k_cache, v_cache, meta, scale):
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
 
 
 def _prefill_attention(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float) -> torch.Tensor:
@@ -107,32 +129,64 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) ->
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query token per request, padded to the longest context: q [num_decodes, num_heads, head_dim]."""
-    num_decodes, max_blocks = meta.decode_block_tables.shape
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    max_len = max_blocks * block_size
-    valid = torch.arange(max_len, device=q.device)[None, :] < meta.decode_context_lens[:, None]
-    flat_tables = meta.decode_block_tables.reshape(-1)
+    """One query token per request: q [num_decodes, num_heads, head_dim] -> the same shape.
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        rows = cache.index_select(0, flat_tables).view(num_decodes, max_len, num_kv_heads, head_dim)
-        # Padding positions point at block 0, which belongs to someone else (or holds garbage):
-        # zero them so no foreign value (NaN included) can leak through a masked score.
-        rows = rows.masked_fill(~valid[:, :, None, None], 0.0)
-        return rows.transpose(1, 2)  # [num_decodes, num_kv_heads, max_len, head_dim]
+    For each KV head, gathers every request's positions ([num_decodes, max_len, head_dim],
+    contiguous, padded to the longest context) through the step's `decode_slots`, then runs that
+    head's group of query heads as two batched matmuls with the softmax in float32. Padding needs
+    no copy-and-zero pass: padded table entries repeat the request's own first block and
+    unwritten slots were zeroed at allocation (`KVCache.allocate_slots`), so every masked
+    position holds finite values that the -inf bias turns into exact zeros.
+    """
+    num_decodes = q.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    slots = meta.decode_slots  # [num_decodes * max_len]
+    k_rows = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, num_kv_heads, head_dim]
+    v_rows = v_cache.view(-1, num_kv_heads, head_dim)
+    q = q.view(num_decodes, num_kv_heads, -1, head_dim)  # query heads grouped by their KV head
+    out = torch.empty_like(q)
+    for head in range(num_kv_heads):
+        k = k_rows[:, head].index_select(0, slots).view(num_decodes, -1, head_dim)
+        v = v_rows[:, head].index_select(0, slots).view(num_decodes, -1, head_dim)
+        scores = torch.bmm(q[:, head], k.transpose(1, 2)).float()  # [num_decodes, group, max_len]
+        probs = torch.softmax(scores.mul_(scale).add_(meta.decode_bias), dim=-1).to(q.dtype)
+        out[:, head] = torch.bmm(probs, v)
+    return out.view(num_decodes, -1, head_dim)
 
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), gather(k_cache), gather(v_cache),
-        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
-    )  # [num_decodes, num_heads, 1, head_dim]
-    return out.squeeze(2)
+
+class CPUPagedBackend(TorchSDPABackend):
+    """Decode through pdserve's C++ paged-attention kernel (`services/engine/kernels`), which
+    reads each request's K/V in place through its block table instead of gathering a copy per
+    layer; prefill chunks go through torch SDPA as in `TorchSDPABackend`."""
+
+    def __init__(self) -> None:
+        from services.engine.kernels import load_paged_attention
+
+        self.kernel = load_paged_attention()
+        if self.kernel is None:
+            raise ValueError("attention_backend: 'cpu_paged' needs the C++ kernel, which could not be built here")
+
+    def _decode(self, q, k_cache, v_cache, meta, scale):
+        out = torch.empty_like(q)
+        self.kernel.paged_decode_attention(
+            out, q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+        return out
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch_sdpa": TorchSDPABackend}
+_BACKENDS: dict[str, type[AttentionBackend]] = {"torch_sdpa": TorchSDPABackend, "cpu_paged": CPUPagedBackend}
+BACKEND_NAMES = ("auto", *_BACKENDS)
 
 
-def get_attention_backend(name: str = "torch_sdpa") -> AttentionBackend:
-    """Registry lookup; raises ValueError naming `attention_backend` for an unknown name."""
+def get_attention_backend(name: str, device: str) -> AttentionBackend:
+    """Registry lookup. "auto" picks `cpu_paged` on the CPU when its kernel builds, else
+    `torch_sdpa`. Raises ValueError naming `attention_backend` for an unknown or unusable name."""
+    if name == "auto":
+        from services.engine.kernels import load_paged_attention
+
+        name = "cpu_paged" if device == "cpu" and load_paged_attention() is not None else "torch_sdpa"
     if name not in _BACKENDS:
-        raise ValueError(f"attention_backend: unknown {name!r}, expected one of {sorted(_BACKENDS)}")
+        raise ValueError(f"attention_backend: unknown {name!r}, expected one of {list(BACKEND_NAMES)}")
+    if name == "cpu_paged" and device != "cpu":
+        raise ValueError(f"attention_backend: 'cpu_paged' runs on the CPU only, not {device!r}")
     return _BACKENDS[name]()

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.engine.attention import BACKEND_NAMES
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -57,6 +59,9 @@ class EngineConfig:
     """Seeds block-list shuffling and the seeds drawn for requests without one; None: random."""
     shuffle_free_blocks: bool = False
     """Hand out blocks in random order (tests use it to catch reads outside a block table)."""
+    attention_backend: str = "auto"
+    """"torch_sdpa" (pure torch), "cpu_paged" (C++ paged decode kernel) or "auto" (cpu_paged on
+    the CPU when its kernel builds, else torch_sdpa)."""
     engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:12]}")
     """Name of this engine in KV handles; unique within a cluster (random by default)."""
 
@@ -76,6 +81,8 @@ class EngineConfig:
                 _check_positive_int(name, getattr(self, name))
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend: expected one of {list(BACKEND_NAMES)}, got {self.attention_backend!r}")
         if not self.engine_id:
             raise ValueError("engine_id: must not be empty")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -70,7 +70,13 @@ class KVCache:
         needed = self.num_blocks_needed(request, num_new_tokens)
         if needed > self.pool.num_free_blocks:
             return False
-        request.block_table.extend(self.pool.allocate(needed))
+        block_ids = self.pool.allocate(needed)
+        if block_ids:
+            # Zero new blocks: slots a request has not written yet then hold finite values, which
+            # decode attention masks without a copy (see attention._decode_attention).
+            index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+            self.kv.index_fill_(2, index, 0)
+        request.block_table.extend(block_ids)
         return True
 
     def free(self, request: Request) -> None:

@@ -50,7 +50,7 @@ def load_model(path: str, config: EngineConfig):
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=config.torch_dtype)
     hf_model.eval().to(config.device)
     family = MODEL_REGISTRY[hf_model.config.model_type]
-    return family(hf_model, get_attention_backend("torch_sdpa"))
+    return family(hf_model, get_attention_backend(config.attention_backend, config.device))
 
 
 def resolve_max_model_len(path: str, requested: int | None) -> tuple[object, int]:
@@ -114,6 +114,7 @@ class ModelRunner:
             num_prefill_tokens=sum(p.query_len for p in prefills),
             decode_block_tables=_pad(decode_tables).to(self.device),
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device),
+            block_size=block_size,
         )
         return torch.tensor(ids, dtype=torch.long, device=self.device), positions.to(self.device), meta, logits_rows
 
@@ -132,6 +133,8 @@ class ModelRunner:
 
 
 def _pad(tables: list[list[int]]) -> torch.Tensor:
-    """Right-pad block tables with block 0 into [len(tables), max_len] (masked by context_len)."""
+    """Right-pad block tables into [len(tables), max_len]. Padding repeats the row's own first
+    block, so a padded position holds finite values of this request (masked by context_len)."""
     width = max((len(t) for t in tables), default=0)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).reshape(len(tables), width)
+    rows = [t + [t[0]] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.long).reshape(len(tables), width)

@@ -1,9 +1,10 @@
 """Llama-family forward pass (llama, qwen2, mistral) over the paged KV cache.
 
-The weights, norms, MLPs and rotary embedding are transformers' own modules, so the numerics match
-the Hugging Face reference; only attention is ours (it reads and writes `KVCache`, never
-transformers' DynamicCache). This follows how vLLM's model files reuse the checkpoint layout while
-owning attention.
+The weights, norms, activation and rotary embedding are transformers' own, so the numerics match
+the Hugging Face reference; attention is ours (it reads and writes `KVCache`, never transformers'
+DynamicCache). As in vLLM's model files (QKVParallelLinear, MergedColumnParallelLinear), q/k/v and
+gate/up are fused into one matmul each at load time: a decode step is a few small matmuls per
+layer, and every matmul call saved is overhead saved.
 """
 
 from __future__ import annotations
@@ -14,12 +15,45 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from services.engine.attention import AttentionBackend, AttentionMetadata
 from services.engine.kv_cache import KVCache, KVCacheSpec
+from services.engine.models.packed_linear import pack_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
+def fuse_linear(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the concatenation of `linears`' outputs (same input)."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    has_bias = [linear.bias is not None for linear in linears]
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=any(has_bias), device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if any(has_bias):
+        biases = [
+            linear.bias.detach() if linear.bias is not None else weight.new_zeros(linear.out_features)
+            for linear in linears
+        ]
+        fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+    return fused
+
+
+class FusedDecoderLayer(nn.Module):
+    """One transformers decoder layer's weights: q/k/v and gate/up fused, every matmul packed for
+    oneDNN where the device allows (`packed_linear`)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_layernorm = layer.input_layernorm
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.qkv_proj = pack_linear(fuse_linear(attn.q_proj, attn.k_proj, attn.v_proj))
+        self.o_proj = pack_linear(attn.o_proj)
+        self.gate_up_proj = pack_linear(fuse_linear(mlp.gate_proj, mlp.up_proj))
+        self.down_proj = pack_linear(mlp.down_proj)
+        self.act_fn = mlp.act_fn
+        self.scaling = attn.scaling
+
+
 class PagedLlamaForCausalLM(nn.Module):
-    """Wraps a transformers `*ForCausalLM` of the Llama family; forward takes a flattened batch."""
+    """Built from a transformers `*ForCausalLM` of the Llama family; forward takes a flattened batch."""
 
     def __init__(self, hf_model: nn.Module, attention: AttentionBackend) -> None:
         super().__init__()
@@ -27,14 +61,15 @@ class PagedLlamaForCausalLM(nn.Module):
         self.config = config
         inner = hf_model.model
         self.embed_tokens = inner.embed_tokens
-        self.layers = inner.layers
+        self.layers = nn.ModuleList(FusedDecoderLayer(layer) for layer in inner.layers)
         self.norm = inner.norm
         self.rotary_emb = inner.rotary_emb
-        self.lm_head = hf_model.lm_head
+        self.lm_head = pack_linear(hf_model.lm_head)  # a packed copy: embed_tokens keeps the tied weight
         self.attention = attention
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         return KVCacheSpec(len(self.layers), self.num_kv_heads, self.head_dim, block_size, dtype)
@@ -55,26 +90,25 @@ class PagedLlamaForCausalLM(nn.Module):
         """
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary_emb(hidden.unsqueeze(0), positions.unsqueeze(0))  # [1, T, head_dim]
+        cos, sin = cos[0], sin[0]  # [T, head_dim]: broadcast over heads in the [T, heads, head_dim] layout
         for layer_idx, layer in enumerate(self.layers):
             residual = hidden
             hidden = layer.input_layernorm(hidden)
-            hidden = self._attention(layer.self_attn, hidden, cos, sin, kv_cache, layer_idx, meta)
+            hidden = self._attention(layer, hidden, cos, sin, kv_cache, layer_idx, meta)
             hidden = residual + hidden
             residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            gate, up = layer.gate_up_proj(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+            hidden = residual + layer.down_proj(layer.act_fn(gate) * up)
         hidden = self.norm(hidden.index_select(0, logits_indices))
         return self.lm_head(hidden).float()
 
-    def _attention(self, attn, hidden, cos, sin, kv_cache, layer_idx, meta) -> torch.Tensor:
+    def _attention(self, layer, hidden, cos, sin, kv_cache, layer_idx, meta) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        # [1, heads, T, head_dim], the layout apply_rotary_pos_emb expects.
-        q = attn.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim).transpose(0, 1)[None]
-        k = attn.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim).transpose(0, 1)[None]
-        v = attn.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # [T, heads, head_dim]
+        q, k, v = layer.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # cos -> [T, 1, head_dim]
         k_cache, v_cache = kv_cache.layer(layer_idx)
-        out = self.attention.forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, meta, attn.scaling
-        )
-        return attn.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = self.attention.forward(q, k, v, k_cache, v_cache, meta, layer.scaling)
+        return layer.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
