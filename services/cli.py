@@ -12,6 +12,7 @@ import importlib
 import json
 import sys
 import time
+from dataclasses import asdict
 
 # Kept free of torch/transformers/grpc imports so `pdserve --help` answers at once: every command
 # imports what it needs inside its own function.
@@ -47,6 +48,8 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=-1, help="-1 disables")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="report each token's log-probability and this many top alternatives (0..20)")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
 
 
@@ -141,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
+        top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
     )
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                                  max_model_len=args.max_model_len))
@@ -158,10 +161,11 @@ def _run(args: argparse.Namespace) -> int:
     request_id = engine.add_request(prompt, params)
     prompt_ids = list(engine.requests[request_id].prompt_token_ids)
     detok = IncrementalDetokenizer(engine.tokenizer, prompt_ids) if engine.tokenizer else None
-    first_token_time, final = None, None
+    first_token_time, final, logprobs = None, None, []
     while engine.has_unfinished_requests():
         for out in engine.step():
             first_token_time = first_token_time or time.perf_counter()
+            logprobs += [asdict(lp) for lp in out.new_logprobs]
             if detok is not None:
                 delta = detok.add_tokens(out.new_token_ids) + (detok.flush() if out.finished else "")
                 if not args.json:
@@ -176,6 +180,7 @@ def _run(args: argparse.Namespace) -> int:
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(final.output_token_ids),
                       "cached_tokens": 0},
             "timings": {"ttft": first_token_time - start, "e2e": end - start},
+            **({"logprobs": logprobs} if args.logprobs is not None else {}),
         }))
     else:
         print()

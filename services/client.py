@@ -28,10 +28,12 @@ class GenerateResult:
     finish_reason: str = ""  # "stop" | "length" ("" if the stream ended without one)
     usage: dict[str, int] = field(default_factory=dict)  # prompt_tokens, completion_tokens, cached_tokens
     timings: dict[str, float] = field(default_factory=dict)  # seconds, measured by the router
+    logprobs: list[dict] = field(default_factory=list)  # per token, when asked for: token_id, logprob, rank, top
 
     def to_json(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+        body = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "usage": self.usage, "timings": self.timings}
+        return {**body, "logprobs": self.logprobs} if self.logprobs else body
 
 
 def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
@@ -40,7 +42,7 @@ def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
         raise ValueError(f"--seed: must be in [0, 2**64), got {args.seed}")
     sampling = common_pb2.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
     )
     if args.prompt_ids is not None:
         ids = parse_ids(args.prompt_ids)
@@ -68,6 +70,11 @@ def stream_generate(
         for msg in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout):
             result.token_ids.extend(msg.token_ids)
             result.text += msg.text
+            result.logprobs += [
+                {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank,
+                 "top": [[t.token_id, t.logprob] for t in lp.top]}
+                for lp in msg.logprobs
+            ]
             if msg.text and on_text is not None:
                 on_text(msg.text)
             if msg.finish_reason:

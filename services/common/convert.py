@@ -7,6 +7,7 @@ import torch
 from services.common.pb import common_pb2
 from services.engine.kv_cache import KVCacheSpec
 from services.engine.kv_transfer.base import KVHandle
+from services.engine.sampler import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -18,7 +19,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Unset optional fields take the engine defaults; ValueError names a bad field."""
     kwargs = {
         name: getattr(msg, name)
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed")
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
         if msg.HasField(name)
     }
     return SamplingParams(**kwargs, ignore_eos=msg.ignore_eos, stop_token_ids=tuple(msg.stop_token_ids))
@@ -32,7 +33,16 @@ def sampling_to_proto(params: SamplingParams, stop: list[str] | None = None) -> 
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=logprobs.token_id, logprob=logprobs.logprob, rank=logprobs.rank,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
+    )
 
 
 def handle_to_proto(handle: KVHandle, source: str) -> common_pb2.KVHandle:

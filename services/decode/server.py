@@ -12,7 +12,7 @@ import argparse
 import contextlib
 import logging
 
-from services.common.convert import handle_from_proto, sampling_from_proto
+from services.common.convert import handle_from_proto, logprobs_to_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop, ShuttingDownError
 from services.common.errors import ServiceUnavailableError
 from services.common.kv_transfer_grpc import GrpcKVTransfer
@@ -54,6 +54,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     token_ids=out.new_token_ids if len(out.output_token_ids) > 1 else [],
                     finish_reason=out.finish_reason if out.finished else "",
                     kv_transfer_seconds=self.transfer.pull_seconds.pop(request.request_id, 0.0),
+                    logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
                 )
                 if out.finished:
                     return

@@ -181,7 +181,7 @@ class Engine(KVSource):
         outputs += self._load_remote_kv(sched)
         result = self.runner.execute(sched)
         self.last_forward_tokens = result.num_tokens_by_request
-        for request in self.scheduler.update(sched, result.sampled, self.requests):
+        for request in self.scheduler.update(sched, result.sampled, result.logprobs, self.requests):
             if request.status.is_finished:
                 outputs.append(self._finish(request))
             elif self.config.role == EngineRole.PREFILL:
@@ -223,9 +223,10 @@ class Engine(KVSource):
             )
 
     def _output(self, request: Request, new: list[int], handle: KVHandle | None = None) -> RequestOutput:
+        new_logprobs = tuple(request.output_logprobs[len(request.output_logprobs) - len(new):]) if request.output_logprobs else ()
         return RequestOutput(
             request.request_id, new, list(request.output_token_ids), request.status.is_finished,
-            request.status.finish_reason, handle,
+            request.status.finish_reason, handle, new_logprobs,
         )
 
     def _finish(self, request: Request) -> RequestOutput:
@@ -283,13 +284,17 @@ class Engine(KVSource):
             raise
         prompt_ids = {rid: list(self.requests[rid].prompt_token_ids) for rid in ids}
         done: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list] = {rid: [] for rid in ids}
         while len(done) < len(ids):
             for out in self.step():
-                if out.finished and out.request_id in prompt_ids:
-                    done[out.request_id] = out
+                if out.request_id in prompt_ids:
+                    logprobs[out.request_id].extend(out.new_logprobs)
+                    if out.finished:
+                        done[out.request_id] = out
         return [
             CompletionOutput(rid, prompt_ids[rid], done[rid].output_token_ids,
-                             self.decode(prompt_ids[rid], done[rid].output_token_ids), done[rid].finish_reason)
+                             self.decode(prompt_ids[rid], done[rid].output_token_ids), done[rid].finish_reason,
+                             tuple(logprobs[rid]))
             for rid in ids
         ]
 

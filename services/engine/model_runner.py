@@ -17,7 +17,7 @@ from services.engine.config import EngineConfig
 from services.engine.errors import InvalidRequestError
 from services.engine.kv_cache import KVCache, slot_mapping
 from services.engine.models import MODEL_REGISTRY
-from services.engine.sampler import sample
+from services.engine.sampler import TokenLogprobs, sample
 from services.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request_id -> token id
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for requests that asked
     num_tokens_by_request: dict[str, int] = field(default_factory=dict)  # what the forward saw
 
 
@@ -79,9 +80,10 @@ class ModelRunner:
         sampling = [(i, s) for i, s in enumerate(items) if s.sample is not None]
         logits_indices = torch.tensor([logits_rows[i] for i, _ in sampling], dtype=torch.long)
         logits = self.model(input_ids, positions, self.kv_cache, meta, logits_indices.to(self.device))
-        tokens = sample(logits, [s.sample for _, s in sampling])
+        tokens, logprobs = sample(logits, [s.sample for _, s in sampling])
         return ModelRunnerOutput(
             sampled={s.request_id: tok for (_, s), tok in zip(sampling, tokens)},
+            logprobs={s.request_id: lp for (_, s), lp in zip(sampling, logprobs) if lp is not None},
             num_tokens_by_request={s.request_id: len(s.token_ids) for s in items},
         )
 

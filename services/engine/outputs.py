@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.engine.kv_transfer.base import KVHandle
+from services.engine.sampler import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | "prefilled" (PREFILL)
     kv_handle: KVHandle | None = None  # PREFILL role: where the prompt's KV is pinned
+    new_logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token when the request asked
 
 
 @dataclass(frozen=True)
@@ -28,3 +30,4 @@ class CompletionOutput:
     token_ids: list[int]
     text: str | None  # None when the model folder has no tokenizer
     finish_reason: str
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token when the request asked

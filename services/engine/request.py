@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from services.engine.kv_transfer.base import KVHandle
+from services.engine.sampler import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 
 
@@ -58,6 +59,8 @@ class Request:
     """DECODE role: where this request's prompt KV lives."""
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """One entry per output token when `sampling_params.logprobs` is set, else empty."""
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
 
@@ -89,9 +92,12 @@ class Request:
         assert status.is_finished and not self.status.is_finished
         self.status = status
 
-    def append_output_token(self, token_id: int, max_model_len: int) -> None:
-        """Record a sampled token and finish the request if it hit a stop condition."""
+    def append_output_token(self, token_id: int, max_model_len: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Record a sampled token (and its log-probabilities, if asked for) and finish the
+        request if it hit a stop condition."""
         self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         params = self.sampling_params
         if not params.ignore_eos and token_id == self.eos_token_id:
             self.finish(RequestStatus.FINISHED_STOPPED)

@@ -17,6 +17,16 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) ov
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities (natural log) of one sampled token under the model's raw distribution."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 + how many tokens had a strictly higher log-probability
+    top: tuple[tuple[int, float], ...]  # the `logprobs` most likely (token_id, logprob), best first
+
+
+@dataclass(frozen=True)
 class SamplingRow:
     """What the sampler needs to know about one row of logits."""
 
@@ -25,14 +35,31 @@ class SamplingRow:
     output_index: int  # index of the token being sampled among the request's outputs
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """logits: float32 [num_rows, vocab_size] -> one token id per row."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: float32 [num_rows, vocab_size] -> (one token id per row, its log-probabilities
+    for rows whose params ask for them, else None)."""
     assert logits.shape[0] == len(rows)
     tokens = logits.argmax(dim=-1).tolist()  # greedy for every row; sampled rows overwrite
     for i, row in enumerate(rows):
         if not row.params.greedy:
             tokens[i] = _sample_row(logits[i], row)
-    return tokens
+    return tokens, _logprobs(logits, rows, tokens)
+
+
+def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> list[TokenLogprobs | None]:
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return out
+    logprobs = torch.log_softmax(logits[wanted], dim=-1)  # [len(wanted), vocab_size]
+    top_values, top_ids = logprobs.topk(max(rows[i].params.logprobs for i in wanted), dim=-1)
+    chosen = logprobs[torch.arange(len(wanted)), torch.tensor([tokens[i] for i in wanted])]
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    for j, i in enumerate(wanted):
+        n = rows[i].params.logprobs
+        top = tuple(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist()))
+        out[i] = TokenLogprobs(tokens[i], float(chosen[j]), int(ranks[j]), top)
+    return out
 
 
 def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:

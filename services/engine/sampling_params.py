@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by a
 # vanishing temperature would overflow to inf.
 GREEDY_TEMPERATURE = 1e-5
+# Most top alternatives a request may ask for per token (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
 
 
 def _is_int(value: object) -> bool:
@@ -40,6 +42,10 @@ class SamplingParams:
     """Keep generating after the model's EOS token."""
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     """Extra token ids that end the request (finish_reason "stop")."""
+    logprobs: int | None = None
+    """Return each sampled token's log-probability and this many top alternatives (0..20);
+    None returns none. Log-probabilities are of the model's raw distribution (before
+    temperature, top-k and top-p), as vLLM reports them by default."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -52,6 +58,8 @@ class SamplingParams:
             raise ValueError(f"top_k: must be an integer >= -1 (0 and -1 disable it), got {self.top_k!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids: must be non-negative integers, got {self.stop_token_ids!r}")

@@ -16,7 +16,7 @@ from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer.base import KVHandle
 from services.engine.request import Request, RequestStatus
-from services.engine.sampler import SamplingRow
+from services.engine.sampler import SamplingRow, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,10 @@ class Scheduler:
             request.request_id, request.all_token_ids[start:end], start, list(request.block_table), sample
         )
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int], requests: dict[str, Request]) -> list[Request]:
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, TokenLogprobs],
+        requests: dict[str, Request],
+    ) -> list[Request]:
         """Advance computed counts and append sampled tokens; returns requests that got a token."""
         got_token = []
         for item in out.scheduled:
@@ -135,7 +138,7 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(0, min(end, len(request.prompt_token_ids)) - item.start_position)
             request.num_computed_tokens = end
             if item.request_id in sampled:
-                request.append_output_token(sampled[item.request_id], self.max_model_len)
+                request.append_output_token(sampled[item.request_id], self.max_model_len, logprobs.get(item.request_id))
                 got_token.append(request)
         return got_token
 

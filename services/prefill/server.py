@@ -11,7 +11,7 @@ import argparse
 import logging
 import uuid
 
-from services.common.convert import handle_to_proto, sampling_from_proto
+from services.common.convert import handle_to_proto, logprobs_to_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop
 from services.common.kv_transfer_grpc import GrpcKVTransfer, KVTransferServicer
 from services.common.pb import worker_pb2, worker_pb2_grpc
@@ -39,12 +39,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         if out is None:  # the router went away or its deadline passed: nothing stays pinned
             self.loop.abort(request_id)
             return worker_pb2.PrefillResponse()
+        response = worker_pb2.PrefillResponse(first_token_id=out.new_token_ids[0])
+        if out.new_logprobs:
+            response.first_logprob.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))
         if out.kv_handle is None:  # the first token already finished the request
-            return worker_pb2.PrefillResponse(first_token_id=out.new_token_ids[0], finish_reason=out.finish_reason)
+            response.finish_reason = out.finish_reason
+            return response
         self.loop.call(lambda: self.leases.pinned(request_id))
-        return worker_pb2.PrefillResponse(
-            first_token_id=out.new_token_ids[0], kv_handle=handle_to_proto(out.kv_handle, self.kv_address)
-        )
+        if not context.is_active():  # the router left as the prefill finished: no one will pull
+            self.loop.abort(request_id)
+        response.kv_handle.CopyFrom(handle_to_proto(out.kv_handle, self.kv_address))
+        return response
 
     def GetInfo(self, request, context):
         return worker_info(self.loop, "prefill")

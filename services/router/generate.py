@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 
@@ -118,17 +118,19 @@ class _RequestRun:
         handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
         try:  # from here on the prefill worker may hold pinned KV for this request
             first = text.add([prefill.first_token_id])
+            first_logprobs = [prefill.first_logprob] if prefill.HasField("first_logprob") else []
             finish = "stop" if first.stopped else prefill.finish_reason
             if not finish and handle is None:
                 raise RuntimeError("prefill worker returned neither a finish_reason nor a kv_handle")
             if finish:
-                yield self._final(first, text, finish)
+                yield self._final(first, text, finish, first_logprobs)
                 return
-            yield self._message(first)  # the first token goes out now: that is TTFT
+            yield self._message(first, first_logprobs)  # the first token goes out now: that is TTFT
             yield from self._decode(prepared, handle, text)
         finally:
             if handle is not None and not self.kv_landed:
-                self._release_kv(handle)
+                # A worker that names no source serves its KV itself.
+                self._release_kv(handle.request_id or self.request_id, handle.source or self.prefill_address)
 
     def _remaining(self) -> float:
         """Seconds left until the deadline; TimeoutError when none are."""
@@ -158,7 +160,14 @@ class _RequestRun:
         try:
             response = future.result()
         except grpc.FutureCancelledError:
+            # The worker may have pinned the prompt KV just as we cancelled: release it by id
+            # (a release that arrives before the pin is remembered and applied to it).
+            self._release_kv(prepared.request_id, self.prefill_address)
             raise RequestCancelledError() from None
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._release_kv(prepared.request_id, self.prefill_address)
+            raise
         finally:
             self.scope.untrack(future)
         self.stats.on_prefill(time.monotonic() - start)
@@ -184,25 +193,29 @@ class _RequestRun:
                 delta = text.add(list(reply.token_ids))
                 if delta.stopped:
                     call.cancel()  # the decode worker frees the request's blocks now
-                    yield self._final(delta, text, "stop")
+                    yield self._final(delta, text, "stop", reply.logprobs)
                     return
                 if reply.finish_reason:
-                    yield self._final(delta, text, reply.finish_reason)
+                    yield self._final(delta, text, reply.finish_reason, reply.logprobs)
                     _drain(call)  # read the OK status rather than cancel a finished call
                     return
                 if delta.token_ids:
-                    yield self._message(delta)
+                    yield self._message(delta, reply.logprobs)
             raise RuntimeError("decode worker ended its stream without a finish_reason")
         finally:
             self.scope.untrack(call)
             call.cancel()  # no-op once the stream has completed; frees the worker otherwise
 
-    def _message(self, delta: TextDelta) -> generate_pb2.GenerateResponse:
+    def _message(self, delta: TextDelta, logprobs: Sequence[common_pb2.TokenLogprob]) -> generate_pb2.GenerateResponse:
+        """A streamed message; `logprobs` (empty unless asked for) are those of the tokens the
+        worker sent, of which the accepted `delta.token_ids` are a prefix."""
         self.stats.on_tokens_sent(len(delta.token_ids))
-        return generate_pb2.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
+        return generate_pb2.GenerateResponse(
+            token_ids=delta.token_ids, text=delta.text, logprobs=list(logprobs)[: len(delta.token_ids)]
+        )
 
     def _final(
-        self, delta: TextDelta, text: TextStream, finish_reason: str
+        self, delta: TextDelta, text: TextStream, finish_reason: str, logprobs: Sequence[common_pb2.TokenLogprob]
     ) -> generate_pb2.GenerateResponse:
         """The last message: remaining text (held-back text is released), usage, timings."""
         chunk = delta.text
@@ -215,13 +228,12 @@ class _RequestRun:
         self.stats.on_finished(finish_reason)
         return generate_pb2.GenerateResponse(
             token_ids=delta.token_ids, text=chunk, finish_reason=finish_reason,
-            usage=self.stats.usage(), timings=self.stats.timings(),
+            usage=self.stats.usage(), timings=self.stats.timings(), logprobs=list(logprobs)[: len(delta.token_ids)],
         )
 
-    def _release_kv(self, handle: common_pb2.KVHandle) -> None:
-        """Unpins the prompt KV on the prefill worker (best effort; a lapsed lease frees it too)."""
-        request_id = handle.request_id or self.request_id
-        source = handle.source or self.prefill_address  # a worker that names no source serves it
+    def _release_kv(self, request_id: str, source: str) -> None:
+        """Unpins a request's prompt KV on the prefill worker at `source` (best effort; a lapsed
+        lease frees it too)."""
         try:
             stub = self.flow.pool.kv_transfer_stub(source)
             stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=request_id), timeout=RELEASE_KV_TIMEOUT_S)

@@ -158,8 +158,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         last = messages[-1]
         text = "".join(m.text for m in messages)
-        body = oai.response_body(request, self.server.model_name, text, last.finish_reason, last.usage)
+        logprobs = oai.logprobs_body(request, [lp for m in messages for lp in m.logprobs], self._token_text)
+        body = oai.response_body(request, self.server.model_name, text, last.finish_reason, last.usage, logprobs)
         self._send_json(200, body)
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self.server.flow.model.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else ""
 
     def _stream(self, request: oai.OpenAIRequest, responses: Iterator[generate_pb2.GenerateResponse]) -> None:
         """SSE: the first message is awaited before the 200 so bad input still gets a 400."""
@@ -184,12 +189,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _write_events(self, request: oai.OpenAIRequest, first: generate_pb2.GenerateResponse,
                       responses: Iterator[generate_pb2.GenerateResponse]) -> None:
-        model, message, is_first = self.server.model_name, first, True
+        model, message, is_first, offset = self.server.model_name, first, True, 0
         while True:
             finish = message.finish_reason or None
-            if message.text or finish or is_first:
-                self._event(oai.chunk_body(request, model, message.text, finish, is_first))
+            if message.text or finish or is_first or (request.logprobs and message.logprobs):
+                logprobs = oai.logprobs_body(request, message.logprobs, self._token_text, offset)
+                self._event(oai.chunk_body(request, model, message.text, finish, is_first, logprobs))
                 is_first = False
+            offset += len(message.text)
             if finish:
                 if request.include_usage:
                     self._event(oai.usage_chunk_body(request, model, message.usage))

@@ -4,9 +4,12 @@ Only the JSON shapes live here; `http_api.py` serves them and `generate.py` runs
 Supported request fields: model, prompt (completions: a string, a list of token ids, or a
 one-element list of either) / messages (chat), max_tokens (chat also max_completion_tokens),
 temperature, top_p, top_k (extension, as in vLLM), seed, stop (string or list), stream,
-stream_options.include_usage, ignore_eos (extension), n and best_of (1 only). logprobs,
-top_logprobs, echo, suffix and tools are refused when set (400); other unknown fields are ignored,
-as OpenAI-compatible servers do. Defaults are the engine's (max_tokens 16, temperature 1.0).
+stream_options.include_usage, ignore_eos (extension), n and best_of (1 only), and log-probabilities:
+completions `logprobs` (0..20 alternatives), chat `logprobs` (bool) with `top_logprobs` (0..20).
+Token strings in logprobs are each token decoded on its own (a character split across tokens
+shows as U+FFFD there; `bytes` are that string's UTF-8). echo, suffix and tools are refused when
+set (400); other unknown fields are ignored, as OpenAI-compatible servers do. Defaults are the
+engine's (max_tokens 16, temperature 1.0).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from services.common.pb import common_pb2, generate_pb2
@@ -22,7 +26,8 @@ from services.engine.errors import InvalidRequestError
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 # Asking for these would silently get something else, so they are refused.
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools")
+UNSUPPORTED = ("echo", "suffix", "tools")
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class OpenAIRequest:
     chat: bool
     stream: bool
     include_usage: bool
+    logprobs: bool = False  # render log-probabilities in the reply
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -88,7 +94,22 @@ def sampling_from_body(body: dict, chat: bool) -> common_pb2.SamplingParams:
     ):
         if value is not None:
             setattr(msg, name, value)
+    num_logprobs = _logprobs_asked(body, chat)
+    if num_logprobs is not None:
+        msg.logprobs = num_logprobs
     return msg
+
+
+def _logprobs_asked(body: dict, chat: bool) -> int | None:
+    """Top alternatives per token, or None when log-probabilities are not asked for."""
+    if not chat:
+        return _optional(body, "logprobs", "int", 0, MAX_LOGPROBS)
+    top = _optional(body, "top_logprobs", "int", 0, MAX_LOGPROBS)
+    if not _optional(body, "logprobs", "bool"):
+        if top is not None:
+            raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
+        return None
+    return top or 0
 
 
 def _set_prompt(request: generate_pb2.GenerateRequest, prompt: Any) -> None:
@@ -137,10 +158,12 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise InvalidRequestError("stream_options", "must be an object")
+    sampling = sampling_from_body(body, chat)
     parsed = OpenAIRequest(
-        generate_pb2.GenerateRequest(sampling=sampling_from_body(body, chat)), chat,
+        generate_pb2.GenerateRequest(sampling=sampling), chat,
         stream=bool(_optional(body, "stream", "bool")),
         include_usage=bool(_optional(stream_options, "include_usage", "bool")),
+        logprobs=sampling.HasField("logprobs"),
     )
     parsed.generate.request_id = parsed.request_id
     if chat:
@@ -164,27 +187,63 @@ def _envelope(req: OpenAIRequest, model: str, chunk: bool) -> dict:
             "created": req.created, "model": model}
 
 
+TokenText = Callable[[int], str]
+
+
+def logprobs_body(
+    req: OpenAIRequest, entries: Sequence[common_pb2.TokenLogprob], token_text: TokenText, text_offset: int = 0
+) -> dict | None:
+    """OpenAI's `logprobs` object for these tokens (None when not asked for). Completions:
+    tokens / token_logprobs / top_logprobs / text_offset; chat: content = [{token, logprob,
+    bytes, top_logprobs}]. `text_offset` is where the first token starts in the completion."""
+    if not req.logprobs:
+        return None
+    if req.chat:
+        return {"content": [
+            {**_chat_token(token_text(e.token_id), e.logprob),
+             "top_logprobs": [_chat_token(token_text(t.token_id), t.logprob) for t in e.top]}
+            for e in entries
+        ]}
+    tokens = [token_text(e.token_id) for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_text(t.token_id): t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _chat_token(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
 def response_body(
-    req: OpenAIRequest, model: str, text: str, finish_reason: str, usage: generate_pb2.Usage
+    req: OpenAIRequest, model: str, text: str, finish_reason: str, usage: generate_pb2.Usage,
+    logprobs: dict | None = None,
 ) -> dict:
-    """The non-streaming reply."""
+    """The non-streaming reply; `logprobs` as `logprobs_body` renders them."""
     if req.chat:
         message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**_envelope(req, model, chunk=False), "choices": [choice], "usage": usage_body(usage)}
 
 
-def chunk_body(req: OpenAIRequest, model: str, text: str, finish_reason: str | None, first: bool) -> dict:
+def chunk_body(
+    req: OpenAIRequest, model: str, text: str, finish_reason: str | None, first: bool, logprobs: dict | None = None
+) -> dict:
     """One streamed (SSE) chunk; the chat's first chunk also carries the assistant role."""
     if req.chat:
         delta: dict[str, str] = {"role": "assistant"} if first else {}
         if text or not first:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**_envelope(req, model, chunk=True), "choices": [choice]}
 
 

@@ -218,6 +218,12 @@ def test_flow_without_workers_is_unavailable(model_info):
 # ---------------------------------------------------------------- fake workers
 
 
+def _fake_logprob(token_id: int, request) -> common_pb2.TokenLogprob:
+    """A made-up but checkable log-probability (for requests that ask for them)."""
+    top = [common_pb2.TopLogprob(token_id=token_id + k, logprob=-0.5 - k) for k in range(request.sampling.logprobs)]
+    return common_pb2.TokenLogprob(token_id=token_id, logprob=-0.5, rank=1, top=top)
+
+
 class FakePrefill(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.KVTransferServicer):
     """Returns a canned first token; records requests and ReleaseKV calls."""
 
@@ -240,8 +246,11 @@ class FakePrefill(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.KVTransferSer
                 request_id=request.request_id, engine_id="fake", block_ids=[0],
                 num_tokens=len(request.prompt_token_ids), first_token_id=self.first_token, source=self.source,
             )
-        return worker_pb2.PrefillResponse(first_token_id=self.first_token, finish_reason=self.finish_reason,
-                                          kv_handle=handle)
+        response = worker_pb2.PrefillResponse(first_token_id=self.first_token, finish_reason=self.finish_reason,
+                                              kv_handle=handle)
+        if request.sampling.HasField("logprobs"):
+            response.first_logprob.CopyFrom(_fake_logprob(self.first_token, request))
+        return response
 
     def ReleaseKV(self, request, context):  # noqa: N802
         self.released.append(request.request_id)
@@ -275,10 +284,13 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
                 self.cancelled.set()
 
     def _replies(self, context):
+        request = self.requests[-1]
         for i, ids in enumerate(self.messages):
             last = i == len(self.messages) - 1 and self.endless_token is None
             yield worker_pb2.DecodeResponse(token_ids=ids, finish_reason=self.finish_reason if last else "",
-                                            kv_transfer_seconds=KV_TRANSFER_SECONDS if i == 0 else 0.0)
+                                            kv_transfer_seconds=KV_TRANSFER_SECONDS if i == 0 else 0.0,
+                                            logprobs=[_fake_logprob(t, request) for t in ids
+                                                      if request.sampling.HasField("logprobs")])
         give_up = time.monotonic() + CANCEL_WAIT_S
         while self.endless_token is not None and time.monotonic() < give_up:
             if not context.is_active():
@@ -565,6 +577,35 @@ def _wait_until(predicate, timeout: float = 5.0) -> bool:
     return bool(predicate())
 
 
+def test_http_completion_logprobs(cluster, tokenizer):
+    ids = _completion_ids(tokenizer)
+    _script(cluster, ids)
+    status, data = _post(cluster[0].http.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": len(ids), "logprobs": 2})
+    logprobs = json.loads(data)["choices"][0]["logprobs"]
+    assert status == 200 and cluster[1].requests[0].sampling.logprobs == 2
+    assert logprobs["tokens"] == [tokenizer.decode([t]) for t in ids]
+    assert logprobs["token_logprobs"] == [-0.5] * len(ids)
+    assert logprobs["top_logprobs"][0] == {tokenizer.decode([ids[0]]): -0.5, tokenizer.decode([ids[0] + 1]): -1.5}
+    assert logprobs["text_offset"][1] == len(logprobs["tokens"][0])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_chat_logprobs(cluster, tokenizer, stream):
+    ids = _completion_ids(tokenizer)
+    _script(cluster, ids)
+    payload = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1, "stream": stream}
+    status, data = _post(cluster[0].http.url + "/v1/chat/completions", payload)
+    assert status == 200
+    if stream:
+        chunks = [json.loads(line[len("data: "):]) for line in data.decode().split("\n\n") if line and "[DONE]" not in line]
+        content = [entry for c in chunks if c["choices"][0]["logprobs"] for entry in c["choices"][0]["logprobs"]["content"]]
+    else:
+        content = json.loads(data)["choices"][0]["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == [tokenizer.decode([t]) for t in ids]
+    assert all(entry["logprob"] == -0.5 and len(entry["top_logprobs"]) == 1 for entry in content)
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+
+
 def test_http_chat_completion_uses_the_chat_template(cluster, model_info, tokenizer):
     ids = _completion_ids(tokenizer)
     _script(cluster, ids)
@@ -586,7 +627,9 @@ def test_http_chat_completion_uses_the_chat_template(cluster, model_info, tokeni
         ("/v1/completions", {"max_tokens": 4}, "prompt"),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "echo": True}, "echo"),
         ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
     ],
 )
@@ -611,3 +654,14 @@ def test_http_health_and_models(cluster, model_info):
         model = json.loads(reply.read())["data"][0]
     assert model["id"] == str(model_info.path) and model["max_model_len"] == model_info.max_model_len
     assert json.loads(cluster[0].ready_line()[len("ready "):])["http"] == url
+
+
+def test_logprobs_follow_the_accepted_tokens(cluster, stub, tokenizer):
+    """A stop string cuts the stream mid-message: logprobs are cut with the tokens."""
+    ids = _completion_ids(tokenizer)
+    _script(cluster, ids, chunk=3)
+    sampling = common_pb2.SamplingParams(max_tokens=len(ids), stop=["42"], logprobs=1)
+    messages = list(stub.Generate(generate_pb2.GenerateRequest(text=PROMPT, sampling=sampling), timeout=30))
+    tokens = [t for m in messages for t in m.token_ids]
+    assert messages[-1].finish_reason == "stop" and len(tokens) < len(ids)
+    assert [lp.token_id for m in messages for lp in m.logprobs] == tokens

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
 from services.engine.errors import RequestNotFoundError
 from services.engine.kv_transfer.base import KVHandle, KVSource, KVTransfer, TransferStatus
+
+
+# How long a release that arrived before its publish is remembered (seconds); longer than any
+# prefill a cancelled client could still be waiting on.
+EARLY_RELEASE_TTL_S = 600.0
 
 
 class InMemoryKVTransfer(KVTransfer):
@@ -17,6 +23,9 @@ class InMemoryKVTransfer(KVTransfer):
         self._sources: dict[str, KVSource] = {}
         self._status: dict[str, TransferStatus] = {}
         self._owner: dict[str, str] = {}  # request_id -> engine_id of the source that published it
+        # request_id -> when a release came for a request not published yet (a client that
+        # cancelled while its prefill ran): its publish unpins at once.
+        self._released_early: dict[str, float] = {}
         self._lock = threading.Lock()
         self.bytes_transferred = 0
 
@@ -31,6 +40,9 @@ class InMemoryKVTransfer(KVTransfer):
         with self._lock:
             self._status[handle.request_id] = TransferStatus.PUBLISHED
             self._owner[handle.request_id] = handle.engine_id
+            released_early = self._released_early.pop(handle.request_id, None) is not None
+        if released_early:
+            self.release(handle.request_id)
 
     def pull(self, handle: KVHandle) -> torch.Tensor:
         with self._lock:
@@ -46,9 +58,17 @@ class InMemoryKVTransfer(KVTransfer):
 
     def release(self, request_id: str) -> bool:
         """Mark a published transfer completed and unpin it at its source; False if not published
-        (late or duplicate completions are harmless)."""
+        (late or duplicate completions are harmless). A release for a request never published
+        is remembered for `EARLY_RELEASE_TTL_S`, so its publish unpins at once."""
         with self._lock:
-            if self._status.get(request_id) != TransferStatus.PUBLISHED:
+            status = self._status.get(request_id)
+            if status is None:
+                now = time.monotonic()
+                self._released_early = {
+                    rid: t for rid, t in self._released_early.items() if now - t < EARLY_RELEASE_TTL_S
+                }
+                self._released_early[request_id] = now
+            if status != TransferStatus.PUBLISHED:
                 return False
             self._status[request_id] = TransferStatus.COMPLETED
             source = self._sources[self._owner[request_id]]
