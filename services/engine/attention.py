@@ -94,9 +94,16 @@ class TorchSDPABackend(AttentionBackend):
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
         out = torch.empty_like(query)
+        fresh: dict[int, list[PrefillSeq]] = {}  # query_len -> prompts with nothing cached before them
         for seq in meta.prefills:
+            if seq.context_len == seq.query_len:
+                fresh.setdefault(seq.query_len, []).append(seq)
+                continue
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
-            out[rows] = _prefill_attention(query[rows], key[rows], value[rows], k_cache, v_cache, seq, scale)
+            out[rows] = _prefill_attention(query[rows], k_cache, v_cache, seq, scale)
+        for seqs in fresh.values():  # same-length fresh prompts: one batched causal SDPA call
+            rows = torch.cat([torch.arange(s.query_start, s.query_start + s.query_len) for s in seqs])
+            out[rows] = _fresh_prefill_attention(query[rows], key[rows], value[rows], len(seqs), scale)
         if meta.num_decodes:
             rows = slice(meta.num_prefill_tokens, None)
             out[rows] = self._decode(query[rows], k_cache, v_cache, meta, scale)
@@ -106,14 +113,18 @@ class TorchSDPABackend(AttentionBackend):
         return _decode_attention(q, k_cache, v_cache, meta, scale)
 
 
-def _prefill_attention(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float) -> torch.Tensor:
-    """q: [query_len, num_heads, head_dim] -> [query_len, num_heads, head_dim]."""
+def _fresh_prefill_attention(q, k, v, num_seqs: int, scale: float) -> torch.Tensor:
+    """`num_seqs` prompts of one length L with nothing cached: their new K/V are the whole
+    context, so no gather. q: [num_seqs * L, num_heads, head_dim] -> the same shape."""
+    q, k, v = (t.reshape(num_seqs, -1, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [n, heads, L, D]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[3])
+
+
+def _prefill_attention(q, k_cache, v_cache, seq: PrefillSeq, scale: float) -> torch.Tensor:
+    """A chunk after `context_len - query_len` cached positions (chunked prefill, recompute):
+    q [query_len, num_heads, head_dim] -> the same shape."""
     q = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
-    if seq.context_len == seq.query_len:
-        # Nothing cached before this chunk: the new K/V are the whole context, no gather needed.
-        k, v = (t.transpose(0, 1).unsqueeze(0) for t in (k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1)
     k, v = (_gather(cache, seq.block_table, seq.context_len) for cache in (k_cache, v_cache))
     q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)
     mask = torch.arange(seq.context_len, device=q.device)[None, :] <= q_pos[:, None]
@@ -143,7 +154,7 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     slots = meta.decode_slots  # [num_decodes * max_len]
     k_rows = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, num_kv_heads, head_dim]
     v_rows = v_cache.view(-1, num_kv_heads, head_dim)
-    q = q.view(num_decodes, num_kv_heads, -1, head_dim)  # query heads grouped by their KV head
+    q = q.reshape(num_decodes, num_kv_heads, -1, head_dim)  # query heads grouped by their KV head
     out = torch.empty_like(q)
     for head in range(num_kv_heads):
         k = k_rows[:, head].index_select(0, slots).view(num_decodes, -1, head_dim)
@@ -167,9 +178,10 @@ class CPUPagedBackend(TorchSDPABackend):
             raise ValueError("attention_backend: 'cpu_paged' needs the C++ kernel, which could not be built here")
 
     def _decode(self, q, k_cache, v_cache, meta, scale):
+        q = q.contiguous()
         out = torch.empty_like(q)
         self.kernel.paged_decode_attention(
-            out, q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            out, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
         )
         return out
 

@@ -64,6 +64,19 @@ def test_kernel_matches_dense_attention(dtype, num_heads, num_kv_heads, block_si
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [32, 128, 80])  # 64 and 128 have unrolled paths, the rest a generic one
+def test_kernel_handles_every_head_dim(head_dim):
+    context_lens = [1, 16, 33]
+    q, k_cache, v_cache, tables, expected = _case(torch.float32, 6, 2, 16, context_lens, head_dim=head_dim)
+    out = torch.empty_like(q)
+    load_paged_attention().paged_decode_attention(
+        out, q, k_cache, v_cache, _meta(tables, context_lens, 16).decode_block_tables,
+        torch.tensor(context_lens), head_dim**-0.5,
+    )
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_path_matches_dense_attention(dtype):
     context_lens = [1, 15, 16, 17, 40]

@@ -26,8 +26,7 @@ _SOURCE = Path(__file__).with_name("paged_attention.cpp")
 # -fopenmp: at::parallel_for is a header template that expands to `omp parallel` in this file,
 # and the `omp simd` pragmas vectorise the float reductions. The runtime it links, libgomp.so.1,
 # is the one torch has already loaded (same soname), so both share one thread pool.
-# -fno-math-errno lets the softmax's expf vectorise (glibc's libmvec).
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def _cpu_flags() -> str:

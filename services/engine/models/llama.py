@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import rotate_half
 
 from services.engine.attention import AttentionBackend, AttentionMetadata
 from services.engine.kv_cache import KVCache, KVCacheSpec
@@ -69,7 +69,7 @@ class PagedLlamaForCausalLM(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        self.qk_v_sizes = [(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim]
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         return KVCacheSpec(len(self.layers), self.num_kv_heads, self.head_dim, block_size, dtype)
@@ -90,7 +90,7 @@ class PagedLlamaForCausalLM(nn.Module):
         """
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary_emb(hidden.unsqueeze(0), positions.unsqueeze(0))  # [1, T, head_dim]
-        cos, sin = cos[0], sin[0]  # [T, head_dim]: broadcast over heads in the [T, heads, head_dim] layout
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, head_dim]
         for layer_idx, layer in enumerate(self.layers):
             residual = hidden
             hidden = layer.input_layernorm(hidden)
@@ -104,11 +104,13 @@ class PagedLlamaForCausalLM(nn.Module):
 
     def _attention(self, layer, hidden, cos, sin, kv_cache, layer_idx, meta) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = layer.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk, v = layer.qkv_proj(hidden).split(self.qk_v_sizes, dim=-1)
+        # Rotary on q and k in one pass (transformers' formula, so the same numbers), in the
+        # [T, heads, head_dim] layout: cos, sin [T, 1, head_dim] broadcast over heads.
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = qk * cos + rotate_half(qk) * sin
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # cos -> [T, 1, head_dim]
         k_cache, v_cache = kv_cache.layer(layer_idx)
         out = self.attention.forward(q, k, v, k_cache, v_cache, meta, layer.scaling)
         return layer.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
