@@ -49,7 +49,7 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--logprobs", type=int, default=None,
-                        help="report each token's log-probability and this many top alternatives (0..20)")
+                        help="with --json: each token's log-probability and this many top alternatives (0..20)")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
 
 

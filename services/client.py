@@ -30,10 +30,10 @@ class GenerateResult:
     timings: dict[str, float] = field(default_factory=dict)  # seconds, measured by the router
     logprobs: list[dict] = field(default_factory=list)  # per token, when asked for: token_id, logprob, rank, top
 
-    def to_json(self) -> dict:
+    def to_json(self, with_logprobs: bool = False) -> dict:
         body = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "usage": self.usage, "timings": self.timings}
-        return {**body, "logprobs": self.logprobs} if self.logprobs else body
+        return {**body, "logprobs": self.logprobs} if with_logprobs else body
 
 
 def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
@@ -104,5 +104,5 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    print(json.dumps(result.to_json()) if args.json else "", flush=True)
+    print(json.dumps(result.to_json(args.logprobs is not None)) if args.json else "", flush=True)
     return 0

@@ -24,6 +24,7 @@ import grpc
 
 from services.common.convert import sampling_to_proto
 from services.common.errors import status_for
+from services.engine.errors import ResourceExhaustedError
 from services.common.pb import common_pb2, generate_pb2, worker_pb2
 from services.router.cancel import CancelScope, RequestCancelledError
 from services.router.prompt import ModelInfo, PreparedRequest, prepare_request
@@ -36,8 +37,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 # grpc reports a huge time_remaining (not None) for a call without a deadline.
 NO_CLIENT_DEADLINE_S = 1e8
-# ReleaseKV runs after the request is over (its deadline may have passed), on its own budget.
-RELEASE_KV_TIMEOUT_S = 5.0
+# ReleaseKV runs after the request is over (its deadline may have passed), on its own budget; a
+# prefill worker serves it between engine steps, which take seconds for long prompts.
+RELEASE_KV_TIMEOUT_S = 30.0
 
 
 class GenerateFlow:
@@ -144,6 +146,13 @@ class _RequestRun:
         prepared = prepare_request(self.request, self.flow.model)
         self.request_id = prepared.request_id
         self.stats.on_tokenized(len(prepared.prompt_token_ids), time.monotonic() - start)
+        needed = len(prepared.prompt_token_ids) + prepared.params.max_tokens
+        capacity = self.flow.pool.decode_capacity()
+        if capacity is not None and needed > capacity:  # refused before any prefill work
+            raise ResourceExhaustedError(
+                f"prompt ({len(prepared.prompt_token_ids)} tokens) + max_tokens ({prepared.params.max_tokens}) "
+                f"can never fit: the largest decode worker's KV cache holds {capacity} tokens per request"
+            )
         return prepared
 
     def _prefill(self, prepared: PreparedRequest) -> worker_pb2.PrefillResponse:
@@ -233,12 +242,24 @@ class _RequestRun:
 
     def _release_kv(self, request_id: str, source: str) -> None:
         """Unpins a request's prompt KV on the prefill worker at `source` (best effort; a lapsed
-        lease frees it too)."""
+        lease frees it too). Sent without waiting: a busy worker answers between engine steps,
+        and the request's thread has nothing to wait for."""
         try:
             stub = self.flow.pool.kv_transfer_stub(source)
-            stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=request_id), timeout=RELEASE_KV_TIMEOUT_S)
-        except (grpc.RpcError, ValueError) as exc:
-            logger.warning("ReleaseKV(%s) at %r failed: %s", request_id, source, exc)
+            future = stub.ReleaseKV.future(worker_pb2.ReleaseKVRequest(request_id=request_id),
+                                           timeout=RELEASE_KV_TIMEOUT_S)
+        except ValueError as exc:  # a malformed source address
+            logger.warning("ReleaseKV(%s) at %r not sent: %s", request_id, source, exc)
+            return
+        future.add_done_callback(lambda done: _log_release_failure(done, request_id, source))
+
+
+def _log_release_failure(done: grpc.Future, request_id: str, source: str) -> None:
+    if done.cancelled() or done.exception() is None:
+        return
+    exc = done.exception()
+    code = exc.code().name if isinstance(exc, grpc.RpcError) else type(exc).__name__
+    logger.warning("ReleaseKV(%s) at %r failed: %s (the worker's lease frees the blocks)", request_id, source, code)
 
 
 def _drain(call: grpc.Call) -> None:

@@ -158,13 +158,25 @@ class _Handler(BaseHTTPRequestHandler):
             return
         last = messages[-1]
         text = "".join(m.text for m in messages)
-        logprobs = oai.logprobs_body(request, [lp for m in messages for lp in m.logprobs], self._token_text)
+        entries = [lp for m in messages for lp in m.logprobs]
+        token_ids = [lp.token_id for lp in entries]
+        logprobs = oai.logprobs_body(request, entries, self._token_text, self._text_offsets(token_ids, 0, len(text)))
         body = oai.response_body(request, self.server.model_name, text, last.finish_reason, last.usage, logprobs)
         self._send_json(200, body)
 
     def _token_text(self, token_id: int) -> str:
         tokenizer = self.server.flow.model.tokenizer
         return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+    def _text_offsets(self, token_ids: list[int], first: int, text_len: int) -> list[int]:
+        """Where tokens first.. of the completion `token_ids` start in its text: the length of
+        the text of the tokens before each (a character split across tokens starts at the
+        first of them); capped at the text sent, which a stop string may have cut."""
+        tokenizer = self.server.flow.model.tokenizer
+        if tokenizer is None:
+            return [0] * (len(token_ids) - first)
+        return [min(len(tokenizer.decode(token_ids[:i]).rstrip("\ufffd")), text_len)
+                for i in range(first, len(token_ids))]
 
     def _stream(self, request: oai.OpenAIRequest, responses: Iterator[generate_pb2.GenerateResponse]) -> None:
         """SSE: the first message is awaited before the 200 so bad input still gets a 400."""
@@ -189,14 +201,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _write_events(self, request: oai.OpenAIRequest, first: generate_pb2.GenerateResponse,
                       responses: Iterator[generate_pb2.GenerateResponse]) -> None:
-        model, message, is_first, offset = self.server.model_name, first, True, 0
+        model, message, is_first = self.server.model_name, first, True
+        token_ids: list[int] = []  # every token streamed so far, for logprobs' text offsets
+        text_len = 0
         while True:
             finish = message.finish_reason or None
+            first_new = len(token_ids)
+            token_ids += [lp.token_id for lp in message.logprobs]
+            text_len += len(message.text)
             if message.text or finish or is_first or (request.logprobs and message.logprobs):
-                logprobs = oai.logprobs_body(request, message.logprobs, self._token_text, offset)
+                offsets = self._text_offsets(token_ids, first_new, text_len) if request.logprobs else ()
+                logprobs = oai.logprobs_body(request, message.logprobs, self._token_text, offsets)
                 self._event(oai.chunk_body(request, model, message.text, finish, is_first, logprobs))
                 is_first = False
-            offset += len(message.text)
             if finish:
                 if request.include_usage:
                     self._event(oai.usage_chunk_body(request, model, message.usage))

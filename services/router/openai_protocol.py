@@ -191,11 +191,12 @@ TokenText = Callable[[int], str]
 
 
 def logprobs_body(
-    req: OpenAIRequest, entries: Sequence[common_pb2.TokenLogprob], token_text: TokenText, text_offset: int = 0
+    req: OpenAIRequest, entries: Sequence[common_pb2.TokenLogprob], token_text: TokenText,
+    text_offsets: Sequence[int] = (),
 ) -> dict | None:
     """OpenAI's `logprobs` object for these tokens (None when not asked for). Completions:
-    tokens / token_logprobs / top_logprobs / text_offset; chat: content = [{token, logprob,
-    bytes, top_logprobs}]. `text_offset` is where the first token starts in the completion."""
+    tokens / token_logprobs / top_logprobs / text_offset (where each token's text starts in the
+    completion, `text_offsets`); chat: content = [{token, logprob, bytes, top_logprobs}]."""
     if not req.logprobs:
         return None
     if req.chat:
@@ -204,15 +205,10 @@ def logprobs_body(
              "top_logprobs": [_chat_token(token_text(t.token_id), t.logprob) for t in e.top]}
             for e in entries
         ]}
-    tokens = [token_text(e.token_id) for e in entries]
-    offsets = []
-    for token in tokens:
-        offsets.append(text_offset)
-        text_offset += len(token)
     return {
-        "tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+        "tokens": [token_text(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": [{token_text(t.token_id): t.logprob for t in e.top} for e in entries],
-        "text_offset": offsets,
+        "text_offset": list(text_offsets),
     }
 
 

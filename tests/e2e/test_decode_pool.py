@@ -153,3 +153,13 @@ def test_logprobs_through_the_cluster_match_the_engine(pool, default_model, real
         assert got.token_id == want.token_id and got.rank == want.rank == 1
         assert got.logprob == pytest.approx(want.logprob, abs=1e-3)
         assert [t.token_id for t in got.top] == [t for t, _ in want.top]
+
+
+def test_a_request_that_can_never_fit_is_refused_before_any_prefill(pool, real_text_ids):
+    before = worker_info(pool.prefill.ready["grpc"], "prefill").num_prompt_tokens_computed
+    with pytest.raises(grpc.RpcError) as info:
+        generate(pool.stub, token_ids=generate_pb2.TokenIds(ids=real_text_ids[:30]),
+                 sampling=_sampling(DECODE_BLOCKS * 16))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "never fit" in info.value.details()
+    assert worker_info(pool.prefill.ready["grpc"], "prefill").num_prompt_tokens_computed == before

@@ -102,3 +102,32 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setattr("services.engine.kernels.load_paged_attention", lambda: None)
     backend = get_attention_backend("auto", "cpu")
     assert type(backend) is TorchSDPABackend
+
+
+def test_a_stale_build_lock_is_cleared(tmp_path):
+    """A lock left by a killed build would make torch's builder wait forever."""
+    import os
+
+    from services.engine.kernels import STALE_LOCK_S, _clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    _clear_stale_lock(lock)
+    assert lock.exists()  # a fresh lock belongs to a build in progress
+    old = lock.stat().st_mtime - STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    _clear_stale_lock(lock)
+    assert not lock.exists()
+
+
+@needs_kernel
+def test_kernel_refuses_out_of_range_inputs():
+    q, k_cache, v_cache, tables, _ = _case(torch.float32, 4, 2, 16, [5])
+    kernel = load_paged_attention().paged_decode_attention
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="block id"):
+        kernel(out, q, k_cache, v_cache, torch.tensor([[k_cache.shape[0]]]), torch.tensor([5]), 0.1)
+    with pytest.raises(RuntimeError, match="context length"):
+        kernel(out, q, k_cache, v_cache, torch.tensor([tables[0]]), torch.tensor([17]), 0.1)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernel(out, q, k_cache.bfloat16(), v_cache.bfloat16(), torch.tensor([tables[0]]), torch.tensor([5]), 0.1)

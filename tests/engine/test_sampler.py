@@ -17,21 +17,21 @@ def _row(seed=0, index=0, **params) -> SamplingRow:
 
 def test_greedy_is_argmax():
     logits = torch.tensor([[0.1, 3.0, -1.0], [5.0, 4.9, 0.0]])
-    assert sample(logits, [_row(temperature=0), _row(temperature=0)]) == [1, 0]
+    assert sample(logits, [_row(temperature=0), _row(temperature=0)])[0] == [1, 0]
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
     greedy = logits.argmax(-1).tolist()
-    assert sample(logits, [_row(seed=s, top_k=1) for s in range(4)]) == greedy
-    assert sample(logits, [_row(seed=s, top_p=1e-6) for s in range(4)]) == greedy
+    assert sample(logits, [_row(seed=s, top_k=1) for s in range(4)])[0] == greedy
+    assert sample(logits, [_row(seed=s, top_p=1e-6) for s in range(4)])[0] == greedy
 
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**40), top_k=st.integers(1, 20), top_p=st.floats(0.05, 1.0))
 def test_sampled_token_is_inside_top_k_and_nucleus(seed, top_k, top_p):
     logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(seed % 1000))
-    (token,) = sample(logits, [_row(seed=seed, top_k=top_k, top_p=top_p, temperature=0.7)])
+    (token,), _ = sample(logits, [_row(seed=seed, top_k=top_k, top_p=top_p, temperature=0.7)])
     ranked = logits[0].argsort(descending=True).tolist()
     assert ranked.index(token) < top_k
     probs = torch.softmax(logits[0] / 0.7, -1)[ranked]
@@ -43,7 +43,7 @@ def test_temperature_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     counts = torch.zeros(3)
     for seed in range(3000):
-        counts[sample(logits, [_row(seed=seed)])[0]] += 1
+        counts[sample(logits, [_row(seed=seed)])[0][0]] += 1
     assert torch.allclose(counts / 3000, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
 
 

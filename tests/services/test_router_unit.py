@@ -433,7 +433,7 @@ def test_stop_string_in_first_token_releases_the_prefill_kv(cluster, stub, token
     responses = list(stub.Generate(_request(stop=["The"]), timeout=30))
     assert [(r.text, r.finish_reason) for r in responses] == [(" ", "stop")]
     _, prefill, decode = cluster
-    assert prefill.released == [prefill.requests[0].request_id]
+    assert _wait_until(lambda: prefill.released == [prefill.requests[0].request_id])  # sent without waiting
     assert decode.requests == []
 
 
@@ -500,7 +500,7 @@ def test_decode_failure_before_kv_landed_releases_the_prefill_kv(cluster, stub, 
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(_request(), timeout=30))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert cluster[1].released == [cluster[1].requests[0].request_id]
+    assert _wait_until(lambda: cluster[1].released == [cluster[1].requests[0].request_id])
 
 
 def test_cancel_before_decode_releases_the_prefill_kv(cluster, model_info, tokenizer):
@@ -515,7 +515,7 @@ def test_cancel_before_decode_releases_the_prefill_kv(cluster, model_info, token
     with pytest.raises(grpc.RpcError) as info:
         next(responses)
     assert info.value.code() == grpc.StatusCode.CANCELLED
-    assert prefill.released == [prefill.requests[0].request_id] and decode.requests == []
+    assert _wait_until(lambda: prefill.released == [prefill.requests[0].request_id]) and decode.requests == []
 
 
 # ---------------------------------------------------------------- HTTP API

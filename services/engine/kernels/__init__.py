@@ -13,6 +13,7 @@ import hashlib
 import logging
 import platform
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -49,6 +50,21 @@ def _build_dir() -> Path:
     return path
 
 
+# torch's builder serialises builds with a lock file and waits for it without a timeout; one left
+# by a build that was killed (Ctrl-C on a first start) would make every later start wait forever.
+STALE_LOCK_S = 300.0
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
+
+
 @functools.cache
 def load_paged_attention() -> ModuleType | None:
     """The compiled extension (`paged_decode_attention(out, q, k_cache, v_cache, block_tables,
@@ -56,6 +72,7 @@ def load_paged_attention() -> ModuleType | None:
     from torch.utils import cpp_extension  # heavy import, only when a CPU engine starts
 
     build_dir = _build_dir()
+    _clear_stale_lock(build_dir / "lock")
     if not any(build_dir.glob("*.so")):
         print("pdserve: compiling the CPU paged-attention kernel once (about 30 s) into "
               f"{build_dir}", file=sys.stderr, flush=True)

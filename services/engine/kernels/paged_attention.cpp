@@ -212,6 +212,26 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
               "paged_decode_attention: inputs must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables and context_lens must be int64");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && out.sizes() == q.sizes(),
+              "paged_decode_attention: expected q, out [num_decodes, num_heads, head_dim] and k_cache, v_cache "
+              "[num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+              q.scalar_type() == out.scalar_type(), "paged_decode_attention: q, out and the caches differ in dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "paged_decode_attention: head_dim of q and the cache differ");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
+              "paged_decode_attention: one block table and one context length per request");
+  // Bounds: every position read must come from a block of this cache (no out-of-range reads).
+  // Plain loops over a few hundred ids: negligible next to the attention itself.
+  const int64_t* table_ids = block_tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < block_tables.numel(); ++i) {
+    TORCH_CHECK(table_ids[i] >= 0 && table_ids[i] < k_cache.size(0),
+                "paged_decode_attention: block id ", table_ids[i], " outside [0, ", k_cache.size(0), ")");
+  }
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < context_lens.numel(); ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= block_tables.size(1) * k_cache.size(1),
+                "paged_decode_attention: context length ", lens[b], " outside [1, max_blocks * block_size]");
+  }
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(q.size(1) <= kMaxHeads, "paged_decode_attention: at most ", kMaxHeads, " heads");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
