@@ -47,6 +47,22 @@ class AttentionMetadata:
         return int(self.decode_context_lens.shape[0])
 
     @cached_property
+    def fresh_prefill_groups(self) -> tuple[tuple[torch.Tensor, int], ...]:
+        """Prompts with nothing cached before them, grouped by length: (their token rows
+        [num_seqs * length] long, num_seqs) per length (computed once per step, shared by every
+        layer)."""
+        by_length: dict[int, list[PrefillSeq]] = {}
+        for seq in self.prefills:
+            if seq.context_len == seq.query_len:
+                by_length.setdefault(seq.query_len, []).append(seq)
+        device = self.slot_mapping.device
+        return tuple(
+            (torch.cat([torch.arange(s.query_start, s.query_start + s.query_len, device=device) for s in seqs]),
+             len(seqs))
+            for seqs in by_length.values()
+        )
+
+    @cached_property
     def decode_slots(self) -> torch.Tensor:
         """[num_decodes * max_blocks * block_size] long: the cache slot of every (request,
         position) pair of the padded decode batch (computed once per step)."""
@@ -94,16 +110,12 @@ class TorchSDPABackend(AttentionBackend):
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
         out = torch.empty_like(query)
-        fresh: dict[int, list[PrefillSeq]] = {}  # query_len -> prompts with nothing cached before them
         for seq in meta.prefills:
-            if seq.context_len == seq.query_len:
-                fresh.setdefault(seq.query_len, []).append(seq)
-                continue
-            rows = slice(seq.query_start, seq.query_start + seq.query_len)
-            out[rows] = _prefill_attention(query[rows], k_cache, v_cache, seq, scale)
-        for seqs in fresh.values():  # same-length fresh prompts: one batched causal SDPA call
-            rows = torch.cat([torch.arange(s.query_start, s.query_start + s.query_len) for s in seqs])
-            out[rows] = _fresh_prefill_attention(query[rows], key[rows], value[rows], len(seqs), scale)
+            if seq.context_len > seq.query_len:  # fresh prompts go by group below
+                rows = slice(seq.query_start, seq.query_start + seq.query_len)
+                out[rows] = _prefill_attention(query[rows], k_cache, v_cache, seq, scale)
+        for rows, num_seqs in meta.fresh_prefill_groups:  # one batched causal SDPA call per length
+            out[rows] = _fresh_prefill_attention(query[rows], key[rows], value[rows], num_seqs, scale)
         if meta.num_decodes:
             rows = slice(meta.num_prefill_tokens, None)
             out[rows] = self._decode(query[rows], k_cache, v_cache, meta, scale)
