@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
         _add_worker(commands.add_parser(role, help=f"start one {role} worker"), role)
     _add_router(commands.add_parser("router", help="start the router (public Generate API)"))
     _add_generate(commands.add_parser("generate", help="send one request to a router and stream the answer"))
+    reset = commands.add_parser("reset-prefix-cache", help="forget every cached prefix (a router: on all its workers)")
+    reset.add_argument("--url", default="127.0.0.1:50051", help="router or worker HOST:PORT")
+    reset.add_argument("--timeout", type=float, default=30.0, help="deadline in seconds")
     return parser
 
 
@@ -72,7 +75,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", dest="kv_cache_memory_bytes", type=int, default=1 << 30, metavar="BYTES",
                         help="KV cache budget in bytes when --num-blocks is not given")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="most tokens in one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="most tokens in one step; longer prompts are prefilled in chunks of this size")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV of cached full blocks across requests (default: on)")
 
 
 def _add_listen_flags(parser: argparse.ArgumentParser, port: int) -> None:
@@ -135,6 +141,7 @@ def _add_generate(generate: argparse.ArgumentParser) -> None:
     _add_prompt_source(generate)
     _add_sampling(generate)
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--cache-salt", default="", help="share cached prefixes only with requests of this salt")
     generate.add_argument("--timeout", type=float, default=300.0, help="request deadline in seconds")
 
 
@@ -178,7 +185,7 @@ def _run(args: argparse.Namespace) -> int:
             "token_ids": final.output_token_ids,
             "finish_reason": final.finish_reason,
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(final.output_token_ids),
-                      "cached_tokens": 0},
+                      "cached_tokens": final.num_cached_tokens},
             "timings": {"ttft": first_token_time - start, "e2e": end - start},
             **({"logprobs": logprobs} if args.logprobs is not None else {}),
         }))
@@ -222,9 +229,15 @@ def _generate(args: argparse.Namespace) -> int:
     return client.main(args)
 
 
+def _reset_prefix_cache(args: argparse.Namespace) -> int:
+    from services import client
+
+    return client.reset_prefix_cache(args)
+
+
 COMMANDS = {
     "run": _run, "serve": _serve, "prefill": _worker, "decode": _worker, "router": _start_service,
-    "generate": _generate,
+    "generate": _generate, "reset-prefix-cache": _reset_prefix_cache,
 }
 
 

@@ -1,4 +1,5 @@
-"""`pdserve generate`: one streaming request to a router's Generation service.
+"""`pdserve generate`: one streaming request to a router's Generation service; and
+`pdserve reset-prefix-cache`, the operator's call to a router's (or one worker's) Admin service.
 
 Text deltas go to stdout as they arrive; with `--json` nothing is streamed and one JSON object is
 printed at the end (ARCHITECTURE.md, CLI contract). A gRPC error prints
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.cli import parse_ids
-from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc
+from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 @dataclass
@@ -44,15 +45,17 @@ def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
     )
+    request = generate_pb2.GenerateRequest(sampling=sampling, cache_salt=getattr(args, "cache_salt", ""))
     if args.prompt_ids is not None:
         ids = parse_ids(args.prompt_ids)
         if any(not -(1 << 31) <= i < 1 << 31 for i in ids):
             raise ValueError(f"prompt-ids: ids must fit in int32, got {args.prompt_ids!r}")
-        return generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=ids), sampling=sampling)
-    if args.chat is not None:
-        chat = generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content=args.chat)])
-        return generate_pb2.GenerateRequest(chat=chat, sampling=sampling)
-    return generate_pb2.GenerateRequest(text=args.prompt, sampling=sampling)
+        request.token_ids.ids.extend(ids)
+    elif args.chat is not None:
+        request.chat.messages.add(role="user", content=args.chat)
+    else:
+        request.text = args.prompt
+    return request
 
 
 def stream_generate(
@@ -105,4 +108,18 @@ def main(args: argparse.Namespace) -> int:
         print(file=sys.stderr)
         return 130
     print(json.dumps(result.to_json(args.logprobs is not None)) if args.json else "", flush=True)
+    return 0
+
+
+def reset_prefix_cache(args: argparse.Namespace) -> int:
+    """The `pdserve reset-prefix-cache` command: prints {"num_workers", "num_blocks_cleared"}."""
+    try:
+        with grpc.insecure_channel(args.url) as channel:
+            reply = worker_pb2_grpc.AdminStub(channel).ResetPrefixCache(
+                worker_pb2.ResetPrefixCacheRequest(), timeout=args.timeout
+            )
+    except grpc.RpcError as exc:
+        print(f"pdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps({"num_workers": reply.num_workers, "num_blocks_cleared": reply.num_blocks_cleared}), flush=True)
     return 0

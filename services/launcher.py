@@ -76,6 +76,8 @@ def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         threads=getattr(args, f"{role}_threads"), cpus=getattr(args, f"{role}_cpus"),
     )
+    if not args.enable_prefix_caching:
+        argv.append("--no-enable-prefix-caching")
     if role == "prefill":
         return argv + _flags(kv_lease_seconds=args.kv_lease_seconds)
     return argv + _flags(kv_transfer_timeout=args.kv_transfer_timeout)

@@ -45,7 +45,7 @@ class EngineLoop:
         self._hooks: list[Callable[[], None]] = []
         self._stopped = False
         self.max_step_tokens_per_request = 0
-        self._last_preemptions = 0
+        self._last_counts = {"preemptions": 0, "queries": 0, "hits": 0}  # engine totals already exported
         self._thread = threading.Thread(target=self._run, name=f"{role}-engine", daemon=True)
 
     def start(self) -> None:
@@ -83,7 +83,8 @@ class EngineLoop:
         return future.result(timeout=timeout)
 
     def submit(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_handle: KVHandle | None = None
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_handle: KVHandle | None = None,
+        cache_salt: str | None = None,
     ) -> queue.Queue[RequestOutput | BaseException]:
         """Add a request; its outputs (or an exception) arrive on the returned queue.
 
@@ -92,7 +93,9 @@ class EngineLoop:
         stream: queue.Queue[RequestOutput | BaseException] = queue.Queue()
 
         def add() -> None:
-            self.engine.add_request(prompt_ids, params, request_id=request_id, kv_handle=kv_handle)
+            self.engine.add_request(
+                prompt_ids, params, request_id=request_id, kv_handle=kv_handle, cache_salt=cache_salt
+            )
             self._streams[request_id] = stream
 
         self.call(add)
@@ -183,6 +186,10 @@ class EngineLoop:
         metrics.KV_CACHE_USAGE.labels(role).set(pool.num_used_blocks / pool.num_blocks)
         metrics.NUM_REQUESTS_RUNNING.labels(role).set(engine.scheduler.num_running)
         metrics.NUM_REQUESTS_WAITING.labels(role).set(engine.scheduler.num_waiting)
-        preemptions = engine.scheduler.num_preemptions
-        metrics.NUM_PREEMPTIONS.labels(role).inc(preemptions - self._last_preemptions)
-        self._last_preemptions = preemptions
+        scheduler = engine.scheduler
+        totals = {"preemptions": scheduler.num_preemptions, "queries": scheduler.prefix_cache_queries,
+                  "hits": scheduler.prefix_cache_hits}
+        for name, counter in (("preemptions", metrics.NUM_PREEMPTIONS), ("queries", metrics.PREFIX_CACHE_QUERIES),
+                              ("hits", metrics.PREFIX_CACHE_HITS)):
+            counter.labels(role).inc(totals[name] - self._last_counts[name])
+        self._last_counts = totals

@@ -56,22 +56,27 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         self._channels: dict[str, grpc.Channel] = {}
         self._channel_lock = threading.Lock()
         self.pull_seconds: dict[str, float] = {}  # request_id -> seconds its last pull took
-        self._prefetched: dict[str, torch.Tensor] = {}  # request_id -> KV pulled ahead of the engine
+        # request_id -> (first block, KV of the blocks from it on) pulled ahead of the engine
+        self._prefetched: dict[str, tuple[int, torch.Tensor]] = {}
 
     def set_source(self, request_id: str, address: str) -> None:
         self._addresses[request_id] = address
 
-    def prefetch(self, handle: KVHandle) -> None:
-        """Pull the handle's blocks now, on the calling thread, and release the source's pin.
+    def prefetch(self, handle: KVHandle, first_block: int = 0) -> None:
+        """Pull the handle's blocks from `first_block` on now, on the calling thread.
 
         The decode worker calls this from its RPC thread before the request reaches the engine,
         so a slow or busy prefill worker delays only this request, never the running batch;
-        the engine's later `pull` takes the prefetched copy. Raises KVTransferError.
+        the engine's later `pull` takes the prefetched copy and its `complete` releases the
+        source's pin. `first_block`: the blocks before it were in the local prefix cache when
+        asked; if some were evicted before admission, `pull` fetches them then, while the pin
+        still holds them. Raises KVTransferError.
         """
-        data = self.pull(handle)
+        if first_block >= len(handle.block_ids):
+            return  # the local prefix cache holds every prompt block
+        data = self.pull(handle, first_block)
         with self._channel_lock:
-            self._prefetched[handle.request_id] = data
-        self.complete(handle)
+            self._prefetched[handle.request_id] = (first_block, data)
 
     def discard(self, request_id: str) -> None:
         """Drop a prefetched copy the engine never took (the request ended first)."""
@@ -84,19 +89,19 @@ class GrpcKVTransfer(InMemoryKVTransfer):
                 self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
             return worker_pb2_grpc.KVTransferStub(self._channels[address])
 
-    def pull(self, handle: KVHandle) -> torch.Tensor:
+    def pull(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
         with self._channel_lock:
             prefetched = self._prefetched.pop(handle.request_id, None)
-        if prefetched is not None:
-            return prefetched
+        if prefetched is not None and prefetched[0] <= first_block:
+            return prefetched[1][:, :, first_block - prefetched[0]:]
         if self.is_local(handle):
-            return super().pull(handle)
+            return super().pull(handle, first_block)
         address = self._addresses.get(handle.request_id)
         if address is None:
             raise RequestNotFoundError(f"no source address for request {handle.request_id!r}")
         start = time.perf_counter()
         try:
-            data = self._pull_remote(handle, address)
+            data = self._pull_remote(handle, address, first_block)
         except grpc.RpcError as exc:
             metrics.KV_TRANSFER_FAILURES.labels(self.role).inc()
             raise KVTransferError(f"pulling KV of {handle.request_id!r} from {address}: {exc.code().name}") from exc
@@ -109,19 +114,21 @@ class GrpcKVTransfer(InMemoryKVTransfer):
             data[:, :, self.zero_block] = 0
         return data
 
-    def _pull_remote(self, handle: KVHandle, address: str) -> torch.Tensor:
-        request = worker_pb2.PullKVRequest(handle=handle_to_proto(handle, address))
+    def _pull_remote(self, handle: KVHandle, address: str, first_block: int) -> torch.Tensor:
+        request = worker_pb2.PullKVRequest(handle=handle_to_proto(handle, address), first_block=first_block)
+        num_blocks = len(handle.block_ids) - first_block
         data: torch.Tensor | None = None
         spec: KVCacheSpec | None = None
         for chunk in self._stub(address).PullKV(request, timeout=self.timeout_s):
             if data is None:
                 spec = layout_from_proto(chunk.layout)
-                shape = (spec.num_layers, 2, len(handle.block_ids), spec.block_size, spec.num_kv_heads, spec.head_dim)
+                shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
                 data = torch.empty(shape, dtype=spec.dtype)
             assert spec is not None
             shape = (spec.num_layers, 2, chunk.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
             piece = tensor_from_bytes(chunk.data, spec.dtype, shape)
-            data[:, :, chunk.block_offset : chunk.block_offset + chunk.num_blocks] = piece
+            offset = chunk.block_offset - first_block
+            data[:, :, offset : offset + chunk.num_blocks] = piece
         if data is None:
             raise KVTransferError(f"empty KV stream for {handle.request_id!r}")
         return data
@@ -151,14 +158,15 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
 
     def PullKV(self, request, context):
         handle, _ = handle_from_proto(request.handle)
+        first_block = request.first_block
         # A copy, read on the engine thread: later frees cannot change what we send.
-        data = self.on_engine(lambda: self.transfer.pull(handle))
+        data = self.on_engine(lambda: self.transfer.pull(handle, first_block))
         block_bytes = data[:, :, :1].numel() * data.element_size()
         per_chunk = max(1, self.chunk_bytes // block_bytes)
         for offset in range(0, data.shape[2], per_chunk):
             piece = data[:, :, offset : offset + per_chunk]
             yield worker_pb2.KVChunk(
-                layout=self.layout if offset == 0 else None, block_offset=offset,
+                layout=self.layout if offset == 0 else None, block_offset=first_block + offset,
                 num_blocks=piece.shape[2], data=tensor_to_bytes(piece),
             )
         metrics.KV_TRANSFER_BYTES.labels(self.transfer.role).inc(data.numel() * data.element_size())

@@ -37,6 +37,12 @@ KV_BLOCKS_PINNED = Gauge("pdserve_kv_blocks_pinned", "KV blocks pinned for a tra
 KV_CACHE_USAGE = Gauge("pdserve_kv_cache_usage_ratio", "Used / total KV blocks.", ["role"])
 NUM_REQUESTS_RUNNING = Gauge("pdserve_num_requests_running", "Requests in the running batch.", ["role"])
 NUM_REQUESTS_WAITING = Gauge("pdserve_num_requests_waiting", "Requests waiting for blocks or a slot.", ["role"])
+PREFIX_CACHE_QUERIES = Counter(
+    "pdserve_prefix_cache_queries", "Tokens looked up in the prefix cache when a request was admitted.", ["role"]
+)
+PREFIX_CACHE_HITS = Counter(
+    "pdserve_prefix_cache_hits", "Looked-up tokens whose KV the prefix cache already held.", ["role"]
+)
 NUM_PREEMPTIONS = Counter("pdserve_num_preemptions", "Requests preempted (recomputed later).", ["role"])
 PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens received.", ["role"])
 GENERATION_TOKENS = Counter("pdserve_generation_tokens", "Tokens generated.", ["role"])
@@ -52,7 +58,17 @@ KV_CACHE_BYTES = Gauge("pdserve_kv_cache_bytes", "KV cache bytes by state (free,
 TOKENIZE_TIME = Histogram("pdserve_tokenize_time_seconds", "Prompt tokenization.", ["role"], buckets=LATENCY_BUCKETS)
 
 
-def start_metrics_server(host: str, port: int) -> int:
-    """Serve /metrics on host:port (port 0 picks a free one); returns the bound port."""
+def start_metrics_server(host: str, port: int, role: str | None = None) -> int:
+    """Serve /metrics on host:port (port 0 picks a free one); returns the bound port.
+
+    With `role`, every metric labelled by role alone gets its series now, so a counter that has
+    not moved yet reads 0 instead of being absent (what rate() and dashboards expect)."""
+    if role is not None:
+        for metric in _ROLE_METRICS:
+            metric.labels(role)
     server, _ = start_http_server(port, addr=host)
     return server.server_port
+
+
+_ROLE_METRICS = [m for m in list(globals().values())
+                 if isinstance(m, (Counter, Gauge, Histogram)) and m._labelnames == ("role",)]

@@ -1,4 +1,5 @@
-"""What the prefill and decode worker processes share: engine config from flags, info, waiting."""
+"""What the prefill and decode worker processes share: engine config from flags, info, the admin
+service, waiting for outputs, and cache salts from the wire."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import grpc
 
 from services.common.convert import layout_to_proto
 from services.common.engine_loop import EngineLoop
-from services.common.pb import common_pb2
+from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.engine import EngineConfig, EngineRole
 from services.engine.outputs import RequestOutput
 
@@ -24,7 +25,8 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
         model=args.model, role=role, dtype=args.dtype, block_size=args.block_size,
         max_model_len=args.max_model_len, num_blocks=args.num_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, **optional,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True), **optional,
     )
 
 
@@ -42,9 +44,26 @@ def worker_info(loop: EngineLoop, role: str) -> common_pb2.WorkerInfo:
             num_running=engine.scheduler.num_running, num_waiting=engine.scheduler.num_waiting,
             num_prompt_tokens_computed=engine.scheduler.num_prompt_tokens_computed,
             max_step_tokens_per_request=loop.max_step_tokens_per_request,
+            num_cached_blocks=pool.num_cached_blocks, model_id=engine.model_id,
         )
 
     return loop.call(snapshot)
+
+
+class AdminServicer(worker_pb2_grpc.AdminServicer):
+    """`Admin` on a worker: operator controls applied on the engine thread."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+
+    def ResetPrefixCache(self, request, context):
+        cleared = self.loop.call(self.loop.engine.reset_prefix_cache)
+        return worker_pb2.ResetPrefixCacheResponse(num_workers=1, num_blocks_cleared=cleared)
+
+
+def cache_salt(value: str) -> str | None:
+    """The engine's salt for a wire `cache_salt` field (empty means none)."""
+    return value or None
 
 
 def next_output(stream: queue.Queue, context: grpc.ServicerContext) -> RequestOutput | None:

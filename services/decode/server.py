@@ -18,7 +18,7 @@ from services.common.errors import ServiceUnavailableError
 from services.common.kv_transfer_grpc import GrpcKVTransfer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import start_service, wait_for_termination
-from services.common.worker import engine_config, next_output, worker_info
+from services.common.worker import AdminServicer, cache_salt, engine_config, next_output, worker_info
 from services.engine import Engine, EngineRole
 from services.engine.errors import InvalidRequestError, KVTransferError
 
@@ -35,15 +35,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             raise InvalidRequestError("kv_handle", "a decode request needs request_id and the prefill's kv_handle")
         handle, source = handle_from_proto(request.kv_handle)
         params = sampling_from_proto(request.sampling)
+        prompt_ids, salt = list(request.prompt_token_ids), cache_salt(request.cache_salt)
         self.transfer.set_source(request.request_id, source)
-        try:  # pull on this RPC thread: the engine thread keeps stepping the running batch
-            self.transfer.prefetch(handle)
-        except KVTransferError as exc:
-            raise ServiceUnavailableError(f"prompt KV of {request.request_id!r}: {exc}") from exc
-        try:
-            stream = self.loop.submit(request.request_id, list(request.prompt_token_ids), params, kv_handle=handle)
-        except BaseException:
-            self.transfer.discard(request.request_id)
+        try:  # pull on this RPC thread, skipping what the prefix cache holds: the engine thread
+            # keeps stepping the running batch meanwhile
+            self.transfer.prefetch(handle, self.loop.call(lambda: self.loop.engine.cached_prefix_blocks(prompt_ids, salt)))
+            stream = self.loop.submit(request.request_id, prompt_ids, params, kv_handle=handle, cache_salt=salt)
+        except BaseException as exc:
+            self.transfer.discard(request.request_id)  # the router releases the prefill's pin
+            if isinstance(exc, KVTransferError):
+                raise ServiceUnavailableError(f"prompt KV of {request.request_id!r}: {exc}") from exc
             raise
         try:
             while (out := next_output(stream, context)) is not None:
@@ -54,6 +55,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     token_ids=out.new_token_ids if len(out.output_token_ids) > 1 else [],
                     finish_reason=out.finish_reason if out.finished else "",
                     kv_transfer_seconds=self.transfer.pull_seconds.pop(request.request_id, 0.0),
+                    num_cached_tokens=out.num_cached_tokens,
                     logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
                 )
                 if out.finished:
@@ -74,7 +76,8 @@ def serve(args: argparse.Namespace) -> None:
     engine = Engine(engine_config(args, EngineRole.DECODE), transfer)
     loop = EngineLoop(engine, "decode")
     service = start_service(
-        "decode", [(worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(loop, transfer), "pdserve.v1.Decode")],
+        "decode", [(worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(loop, transfer), "pdserve.v1.Decode"),
+                   (worker_pb2_grpc.add_AdminServicer_to_server, AdminServicer(loop), "pdserve.v1.Admin")],
         args.host, args.port, args.metrics_port,
         max_workers=args.max_num_seqs + 64,  # every running request holds one streaming RPC
     )

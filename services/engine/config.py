@@ -59,6 +59,10 @@ class EngineConfig:
     """Seeds block-list shuffling and the seeds drawn for requests without one; None: random."""
     shuffle_free_blocks: bool = False
     """Hand out blocks in random order (tests use it to catch reads outside a block table)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of cached full blocks across requests (automatic prefix caching)."""
+    enable_kv_events: bool = False
+    """Record prefix-cache events (blocks stored / removed) for `Engine.take_kv_events`."""
     attention_backend: str = "auto"
     """"torch_sdpa" (pure torch), "cpu_paged" (C++ paged decode kernel) or "auto" (cpu_paged on
     the CPU when its kernel builds, else torch_sdpa)."""
@@ -79,6 +83,9 @@ class EngineConfig:
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        for name in ("enable_prefix_caching", "enable_kv_events", "shuffle_free_blocks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if self.attention_backend not in BACKEND_NAMES:

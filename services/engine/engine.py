@@ -6,11 +6,13 @@ verbs plus the KV hand-off). Services wrap this class; it never imports grpc, ra
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import numbers
 import random
 import time
 import uuid
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
@@ -24,9 +26,10 @@ from services.engine.errors import (
     ResourceExhaustedError,
 )
 from services.engine.kv_cache import KVCache
+from services.engine.kv_events import KVEvent
 from services.engine.kv_transfer.base import KVHandle, KVSource, KVTransfer
 from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
-from services.engine.loader import resolve_model
+from services.engine.loader import model_id, resolve_model
 from services.engine.model_runner import ModelRunner, check_model_config, load_model, resolve_max_model_len
 from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.request import Request, RequestStatus
@@ -48,7 +51,11 @@ class Engine(KVSource):
         self.model = load_model(self.model_path, config)
         spec = self.model.kv_cache_spec(config.block_size, config.torch_dtype)
         num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_cache_memory_bytes)
-        self.kv_cache = KVCache(spec, num_blocks, config.device, shuffle=config.shuffle_free_blocks, seed=config.seed)
+        self.model_id = model_id(Path(self.model_path))
+        self.kv_cache = KVCache(
+            spec, num_blocks, config.device, shuffle=config.shuffle_free_blocks, seed=config.seed,
+            model_id=self.model_id if config.enable_prefix_caching else None, record_events=config.enable_kv_events,
+        )
         self.scheduler = Scheduler(config, self.kv_cache)
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
         self.tokenizer = _load_tokenizer(self.model_path)
@@ -70,12 +77,15 @@ class Engine(KVSource):
         params: SamplingParams,
         request_id: str | None = None,
         kv_handle: KVHandle | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request; returns its id.
 
         DECODE role: `kv_handle` (required) says where the prompt's KV and first token are.
-        Raises InvalidRequestError (empty or too-long prompt, unknown token ids, duplicate id) and
-        ResourceExhaustedError (the request could never fit in the KV cache).
+        `cache_salt`: requests share cached prefix blocks only with requests of the same salt
+        (vLLM's `cache_salt`: isolates tenants from each other's prefix-cache timing).
+        Raises InvalidRequestError (empty or too-long prompt, unknown token ids, duplicate id,
+        non-string salt) and ResourceExhaustedError (the request could never fit in the KV cache).
         """
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex}"  # unique cluster-wide, as KV handles need
@@ -83,10 +93,14 @@ class Engine(KVSource):
             raise InvalidRequestError("request_id", "must be a non-empty string")
         if request_id in self.requests or request_id in self.pinned:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
         prompt_ids = self._tokenize(prompt)
         self._validate(request_id, prompt_ids, params, kv_handle)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        request = Request(request_id, prompt_ids, params, seed, self.eos_token_id, time.monotonic(), kv_handle)
+        request = Request(
+            request_id, prompt_ids, params, seed, self.eos_token_id, time.monotonic(), kv_handle, cache_salt
+        )
         if kv_handle is not None:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KV
             request.append_output_token(kv_handle.first_token_id, self.config.max_model_len)
@@ -198,14 +212,16 @@ class Engine(KVSource):
         """
         failed = []
         for load in sched.remote_loads:
+            num_blocks = len(load.handle.block_ids)
             try:
-                data = self.kv_transfer.pull(load.handle)
-                self._check_layout(data, len(load.handle.block_ids))
+                if load.first_block < num_blocks:  # else every prompt block was cached here
+                    data = self.kv_transfer.pull(load.handle, load.first_block)
+                    self._check_layout(data, num_blocks - load.first_block)
+                    self.kv_cache.write_blocks(load.block_ids[load.first_block : num_blocks], data)
             except (RequestNotFoundError, InvalidRequestError, KVTransferError):
                 failed.append(self.requests[load.request_id])
                 self.kv_transfer.complete(load.handle)  # unusable here: let the source unpin
                 continue
-            self.kv_cache.write_blocks(load.block_ids[: len(load.handle.block_ids)], data)
             self.kv_transfer.complete(load.handle)
         failed_ids = {r.request_id for r in failed}
         sched.scheduled = [s for s in sched.scheduled if s.request_id not in failed_ids]
@@ -226,7 +242,7 @@ class Engine(KVSource):
         new_logprobs = tuple(request.output_logprobs[len(request.output_logprobs) - len(new):]) if request.output_logprobs else ()
         return RequestOutput(
             request.request_id, new, list(request.output_token_ids), request.status.is_finished,
-            request.status.finish_reason, handle, new_logprobs,
+            request.status.finish_reason, handle, new_logprobs, request.num_cached_tokens or 0,
         )
 
     def _finish(self, request: Request) -> RequestOutput:
@@ -250,16 +266,41 @@ class Engine(KVSource):
 
     # -- KVSource ------------------------------------------------------------------------------
 
-    def read_kv(self, handle: KVHandle) -> torch.Tensor:
+    def read_kv(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
         request = self.pinned.get(handle.request_id)
         if request is None or tuple(request.block_table[: len(handle.block_ids)]) != handle.block_ids:
             raise RequestNotFoundError(handle.request_id)  # only a pinned request's own blocks
-        return self.kv_cache.read_blocks(list(handle.block_ids))
+        if not 0 <= first_block < len(handle.block_ids):
+            raise InvalidRequestError("first_block", f"{first_block} outside the handle's {len(handle.block_ids)} blocks")
+        return self.kv_cache.read_blocks(list(handle.block_ids[first_block:]))
 
     def release_kv(self, request_id: str) -> None:
         request = self.pinned.pop(request_id, None)
         if request is not None:
             self.kv_cache.free(request)
+
+    # -- prefix cache --------------------------------------------------------------------------
+
+    def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """How many leading full blocks of `token_ids` this engine's prefix cache holds now
+        (takes no references: a DECODE worker asks before pulling, to skip those blocks)."""
+        probe = Request("probe", list(token_ids), SamplingParams(), 0, cache_salt=cache_salt)
+        return len(self.kv_cache.get_computed_blocks(probe, len(token_ids) // self.config.block_size))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (for operators and tests); running requests keep their
+        blocks. Returns how many block hashes were dropped."""
+        return self.kv_cache.pool.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """Prefix-cache events since the last call, oldest first (empty unless
+        `enable_kv_events`)."""
+        events = self.kv_cache.pool.events
+        if not events:
+            return []
+        taken = list(events)
+        events.clear()
+        return taken
 
     # -- convenience ---------------------------------------------------------------------------
 
@@ -294,7 +335,7 @@ class Engine(KVSource):
         return [
             CompletionOutput(rid, prompt_ids[rid], done[rid].output_token_ids,
                              self.decode(prompt_ids[rid], done[rid].output_token_ids), done[rid].finish_reason,
-                             tuple(logprobs[rid]))
+                             tuple(logprobs[rid]), done[rid].num_cached_tokens)
             for rid in ids
         ]
 
@@ -311,10 +352,13 @@ class Engine(KVSource):
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if block accounting is broken (tests call it after every step)."""
-        self.kv_cache.pool.check_integrity()
-        held = sum(len(r.block_table) for r in [*self.scheduler.running, *self.pinned.values()])
-        if held != self.kv_cache.pool.num_used_blocks:
-            raise RuntimeError(f"requests hold {held} blocks, pool says {self.kv_cache.pool.num_used_blocks} used")
+        pool = self.kv_cache.pool
+        pool.check_integrity()
+        refs = collections.Counter(b for r in [*self.scheduler.running, *self.pinned.values()] for b in r.block_table)
+        wrong = [b for b in range(pool.num_blocks) if refs[b] != pool.ref_count(b)]
+        if wrong:
+            b = wrong[0]
+            raise RuntimeError(f"requests hold block {b} {refs[b]} times, its ref count is {pool.ref_count(b)}")
 
 
 def _load_tokenizer(path: str):

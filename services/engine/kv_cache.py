@@ -10,10 +10,12 @@ head_dim]. Token position `p` of a request lives in block `block_table[p // bloc
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from services.engine.block_hash import ROOT_HASH, BlockHash, block_hashes
 from services.engine.block_pool import BlockPool
 from services.engine.request import Request
 
@@ -45,31 +47,75 @@ class KVCacheSpec:
 
 
 class KVCache:
-    """K/V tensors for all layers plus the block pool that manages their blocks."""
+    """K/V tensors for all layers, the block pool that manages their blocks, and the per-request
+    operations on both: prefix-cache lookups, slot allocation, caching full blocks, freeing.
+
+    Prefix caching (vLLM v1's automatic prefix caching) is on when `model_id` is given: every
+    full block a request has computed gets its chained hash (`block_hash`, keyed by `model_id`
+    and the request's `cache_salt`) and stays reusable after the request frees it.
+    """
 
     def __init__(
-        self, spec: KVCacheSpec, num_blocks: int, device: str, *, shuffle: bool = False, seed: int | None = 0
+        self, spec: KVCacheSpec, num_blocks: int, device: str, *, shuffle: bool = False, seed: int | None = 0,
+        model_id: str | None = None, record_events: bool = False,
     ) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
+        self.model_id = model_id
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self.pool = BlockPool(num_blocks, shuffle=shuffle, seed=seed)
+        self.pool = BlockPool(num_blocks, shuffle=shuffle, seed=seed, record_events=record_events)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.model_id is not None
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+
+    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The first `num_blocks` full-block hashes of the request's tokens (computed once each,
+        kept on the request)."""
+        assert self.model_id is not None
+        if len(request.block_hashes) < num_blocks:
+            tokens = request.all_token_ids[: num_blocks * self.spec.block_size]
+            request.block_hashes = block_hashes(
+                tokens, self.spec.block_size, self.model_id, request.cache_salt, known=request.block_hashes
+            )
+        return request.block_hashes[:num_blocks]
+
+    def get_computed_blocks(self, request: Request, max_blocks: int) -> list[int]:
+        """Cached blocks holding the request's longest cached prefix, at most `max_blocks` of them
+        (the caller keeps the tokens it must recompute out of reach). Takes no references."""
+        if not self.prefix_caching or max_blocks <= 0:
+            return []
+        return self.pool.lookup(self.block_hashes(request, max_blocks))
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Extra blocks `request` needs to hold `num_new_tokens` more tokens."""
         total = request.num_computed_tokens + num_new_tokens
         return max(0, math.ceil(total / self.spec.block_size) - len(request.block_table))
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow the block table to hold `num_new_tokens` more tokens; False (nothing taken) if short."""
-        needed = self.num_blocks_needed(request, num_new_tokens)
-        if needed > self.pool.num_free_blocks:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Grow the block table to hold `num_new_tokens` more tokens; False (nothing taken) if short.
+
+        `cached_blocks` (from `get_computed_blocks`, for a request with no blocks yet) start the
+        table as shared references; the new tokens then follow them. Cached blocks nobody else
+        holds are counted as taken, never as room for the new ones.
+        """
+        if cached_blocks:
+            assert not request.block_table and request.num_computed_tokens == 0
+        start = len(cached_blocks) * self.spec.block_size + request.num_computed_tokens
+        needed = max(0, math.ceil((start + num_new_tokens) / self.spec.block_size)
+                     - len(request.block_table) - len(cached_blocks))
+        reused = sum(1 for block_id in cached_blocks if self.pool.ref_count(block_id) == 0)
+        if needed > self.pool.num_free_blocks - reused:
             return False
+        if cached_blocks:
+            self.pool.incref(cached_blocks)
+            request.block_table.extend(cached_blocks)
+            request.num_hashed_blocks = len(cached_blocks)  # they hold their hashes already
         block_ids = self.pool.allocate(needed)
         if block_ids:
             # Zero new blocks: slots a request has not written yet then hold finite values, which
@@ -79,10 +125,27 @@ class KVCache:
         request.block_table.extend(block_ids)
         return True
 
+    def cache_full_blocks(self, request: Request) -> None:
+        """Offer the request's newly completed full blocks (by `num_computed_tokens`) to the
+        prefix cache. A no-op with prefix caching off."""
+        if not self.prefix_caching:
+            return
+        block_size = self.spec.block_size
+        first, num_full = request.num_hashed_blocks, request.num_computed_tokens // block_size
+        if num_full <= first:
+            return
+        hashes = self.block_hashes(request, num_full)
+        self.pool.cache_blocks(
+            request.block_table[first:num_full], hashes[first:], hashes[first - 1] if first else ROOT_HASH,
+            request.all_token_ids[first * block_size : num_full * block_size], block_size,
+        )
+        request.num_hashed_blocks = num_full
+
     def free(self, request: Request) -> None:
-        """Release the request's blocks (its one free path) and clear its block table."""
-        self.pool.free(request.block_table)
+        """Release the request's blocks (its one free path), tail first, and clear its block table."""
+        self.pool.free(request.block_table[::-1])
         request.block_table = []
+        request.num_hashed_blocks = 0
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copy of the given blocks: [num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -59,6 +60,20 @@ def resolve_model(model: str) -> Path:
         f"model: {model!r} is neither a local Hugging Face folder (config.json) "
         f"nor a known name ({DEFAULT_MODEL})"
     )
+
+
+def model_id(folder: Path) -> str:
+    """A stable identity of a model folder's weights, the `model_id` of its block hashes:
+    "<folder name>@<16 hex digits>". The digest covers config.json and, per weight file, its
+    name, size and first MiB (safetensors header + leading tensor data), so copies of one folder
+    on any host agree, while folders with other weights (even a same-shaped random init) differ.
+    A mismatch can only cost prefix-cache hits, never mix two models' KV."""
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for weights in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+        with weights.open("rb") as f:
+            digest.update(f.read(1 << 20))
+    return f"{folder.resolve().name}@{digest.hexdigest()[:16]}"
 
 
 def find_default_gguf() -> Path:

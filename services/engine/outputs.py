@@ -19,6 +19,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | "prefilled" (PREFILL)
     kv_handle: KVHandle | None = None  # PREFILL role: where the prompt's KV is pinned
     new_logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token when the request asked
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -31,3 +32,4 @@ class CompletionOutput:
     text: str | None  # None when the model folder has no tokenizer
     finish_reason: str
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token when the request asked
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from services.engine.block_hash import BlockHash
 from services.engine.kv_transfer.base import KVHandle
 from services.engine.sampler import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
@@ -57,12 +58,20 @@ class Request:
     arrival_time: float = 0.0
     kv_handle: KVHandle | None = None
     """DECODE role: where this request's prompt KV lives."""
+    cache_salt: str | None = None
+    """Part of every block hash: requests share cached prefixes only with equal salts."""
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     """One entry per output token when `sampling_params.logprobs` is set, else empty."""
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    """Chained hashes of the request's full blocks, as far as they have been needed."""
+    num_hashed_blocks: int = 0
+    """Leading blocks of `block_table` already offered to the prefix cache."""
+    num_cached_tokens: int | None = None
+    """Prompt tokens whose KV came from the prefix cache at first admission (None before)."""
 
     @property
     def all_token_ids(self) -> list[int]:

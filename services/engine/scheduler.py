@@ -5,6 +5,12 @@ in the cache, and a step computes the next `min(remaining, budget)` of them. A d
 request with one token left to compute; a long prompt is chunked by `max_num_batched_tokens`.
 When blocks run out, the newest running request is preempted and later recomputed (vLLM's
 RECOMPUTE preemption), keeping its generated tokens.
+
+Admission is first come, first served (a long prompt is never starved) and looks up the prefix
+cache first: a request starts with the cached blocks of its longest cached prefix and computes
+only the rest. At least the last prompt token is always computed, since its logits give the
+first token, so a hit covers at most `(num_tokens - 1) // block_size` blocks; a DECODE request
+whose prompt KV comes from a transfer may hit every full prompt block and pulls only the rest.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class RemoteLoad:
     request_id: str
     handle: KVHandle
     block_ids: list[int]
+    first_block: int = 0  # blocks before this one came from the local prefix cache: not pulled
 
 
 @dataclass
@@ -60,6 +67,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt positions run through the model (incl. recompute)
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
+        self.prefix_cache_hits = 0  # of those, tokens whose KV was reused
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -96,21 +105,34 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        block_size = self.kv_cache.spec.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            remote = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
-            if remote:
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 # Blocks for the whole prompt (filled by the transfer) plus the first token.
-                if not self.kv_cache.allocate_slots(request, request.num_tokens):
+                num_prompt = request.kv_handle.num_tokens
+                cached = self.kv_cache.get_computed_blocks(request, num_prompt // block_size)
+                num_cached = len(cached) * block_size
+                if not self.kv_cache.allocate_slots(request, request.num_tokens - num_cached, cached):
                     break
-                request.num_computed_tokens = request.kv_handle.num_tokens
-                num_new = request.num_tokens - request.num_computed_tokens
-                out.remote_loads.append(RemoteLoad(request.request_id, request.kv_handle, list(request.block_table)))
+                request.num_computed_tokens = num_prompt
+                num_new, num_queried = request.num_tokens - num_prompt, num_prompt
+                out.remote_loads.append(
+                    RemoteLoad(request.request_id, request.kv_handle, list(request.block_table), len(cached))
+                )
             else:
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                if not self.kv_cache.allocate_slots(request, num_new):
+                cached = self.kv_cache.get_computed_blocks(request, (request.num_tokens - 1) // block_size)
+                num_cached = len(cached) * block_size
+                num_new, num_queried = min(request.num_tokens - num_cached, budget), request.num_tokens
+                if not self.kv_cache.allocate_slots(request, num_new, cached):
                     break
+                request.num_computed_tokens = num_cached
             self.waiting.popleft()
+            if self.kv_cache.prefix_caching:
+                self.prefix_cache_queries += num_queried
+                self.prefix_cache_hits += num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
             request.start_running()
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
@@ -137,6 +159,7 @@ class Scheduler:
             end = item.start_position + len(item.token_ids)
             self.num_prompt_tokens_computed += max(0, min(end, len(request.prompt_token_ids)) - item.start_position)
             request.num_computed_tokens = end
+            self.kv_cache.cache_full_blocks(request)
             if item.request_id in sampled:
                 request.append_output_token(sampled[item.request_id], self.max_model_len, logprobs.get(item.request_id))
                 got_token.append(request)

@@ -16,7 +16,7 @@ from services.common.engine_loop import EngineLoop
 from services.common.kv_transfer_grpc import GrpcKVTransfer, KVTransferServicer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import start_service, wait_for_termination
-from services.common.worker import PinLeases, engine_config, next_output, worker_info
+from services.common.worker import AdminServicer, PinLeases, cache_salt, engine_config, next_output, worker_info
 from services.engine import Engine, EngineRole
 from services.engine.errors import InvalidRequestError
 
@@ -34,12 +34,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids", "must not be empty")
         params = sampling_from_proto(request.sampling)
-        stream = self.loop.submit(request_id, list(request.prompt_token_ids), params)
+        stream = self.loop.submit(
+            request_id, list(request.prompt_token_ids), params, cache_salt=cache_salt(request.cache_salt)
+        )
         out = next_output(stream, context)
         if out is None:  # the router went away or its deadline passed: nothing stays pinned
             self.loop.abort(request_id)
             return worker_pb2.PrefillResponse()
-        response = worker_pb2.PrefillResponse(first_token_id=out.new_token_ids[0])
+        response = worker_pb2.PrefillResponse(
+            first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens
+        )
         if out.new_logprobs:
             response.first_logprob.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))
         if out.kv_handle is None:  # the first token already finished the request
@@ -69,6 +73,7 @@ def serve(args: argparse.Namespace) -> None:
         [
             (worker_pb2_grpc.add_PrefillServicer_to_server, prefill, "pdserve.v1.Prefill"),
             (worker_pb2_grpc.add_KVTransferServicer_to_server, kv, "pdserve.v1.KVTransfer"),
+            (worker_pb2_grpc.add_AdminServicer_to_server, AdminServicer(loop), "pdserve.v1.Admin"),
         ],
         args.host, args.port, args.metrics_port,
     )

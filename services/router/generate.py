@@ -161,7 +161,7 @@ class _RequestRun:
         stub = self.flow.pool.prefill_stub(self.prefill_address)
         message = worker_pb2.PrefillRequest(
             request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-            sampling=sampling_to_proto(prepared.params),
+            sampling=sampling_to_proto(prepared.params), cache_salt=prepared.cache_salt,
         )
         self.scope.check()
         start = time.monotonic()
@@ -179,7 +179,7 @@ class _RequestRun:
             raise
         finally:
             self.scope.untrack(future)
-        self.stats.on_prefill(time.monotonic() - start)
+        self.stats.on_prefill(time.monotonic() - start, response.num_cached_tokens)
         return response
 
     def _decode(
@@ -189,7 +189,7 @@ class _RequestRun:
         stub = self.flow.pool.decode_stub(self.flow.pool.pick_decode())
         message = worker_pb2.DecodeRequest(
             request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-            sampling=sampling_to_proto(prepared.params), kv_handle=handle,
+            sampling=sampling_to_proto(prepared.params), kv_handle=handle, cache_salt=prepared.cache_salt,
         )
         self.scope.check()
         call = self.scope.track(stub.Decode(message, timeout=self._remaining()))

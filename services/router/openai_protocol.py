@@ -4,7 +4,8 @@ Only the JSON shapes live here; `http_api.py` serves them and `generate.py` runs
 Supported request fields: model, prompt (completions: a string, a list of token ids, or a
 one-element list of either) / messages (chat), max_tokens (chat also max_completion_tokens),
 temperature, top_p, top_k (extension, as in vLLM), seed, stop (string or list), stream,
-stream_options.include_usage, ignore_eos (extension), n and best_of (1 only), and log-probabilities:
+stream_options.include_usage, ignore_eos (extension), cache_salt (extension, as in vLLM: requests
+share cached prefixes only with the same salt), n and best_of (1 only), and log-probabilities:
 completions `logprobs` (0..20 alternatives), chat `logprobs` (bool) with `top_logprobs` (0..20).
 Token strings in logprobs are each token decoded on its own (a character split across tokens
 shows as U+FFFD there; `bytes` are that string's UTF-8). echo, suffix and tools are refused when
@@ -166,6 +167,10 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         logprobs=sampling.HasField("logprobs"),
     )
     parsed.generate.request_id = parsed.request_id
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequestError("cache_salt", "must be a non-empty string")
+    parsed.generate.cache_salt = salt or ""
     if chat:
         _set_messages(parsed.generate, body.get("messages"))
     else:

@@ -99,6 +99,8 @@ class PreparedRequest:
     params: SamplingParams
     stop: tuple[str, ...]
     """Stop strings (applied by the router to the text, never sent to workers)."""
+    cache_salt: str = ""
+    """Sent to both workers: part of every block hash (empty: no salt)."""
 
 
 def prepare_request(request: generate_pb2.GenerateRequest, model: ModelInfo) -> PreparedRequest:
@@ -128,7 +130,7 @@ def prepare_request(request: generate_pb2.GenerateRequest, model: ModelInfo) -> 
     # Workers key requests (and KV handles) by id: a client's own id gets a unique suffix so two
     # clients reusing one id can never collide.
     request_id = f"{request.request_id}-{uuid.uuid4().hex[:12]}" if request.request_id else uuid.uuid4().hex
-    return PreparedRequest(request_id, prompt_ids, params, stop)
+    return PreparedRequest(request_id, prompt_ids, params, stop, request.cache_salt)
 
 
 def tokenize_prompt(request: generate_pb2.GenerateRequest, model: ModelInfo) -> list[int]:

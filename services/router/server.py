@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.pb import generate_pb2, generate_pb2_grpc
+from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2_grpc
+from services.router.admin import RouterAdminServicer
 from services.common.server import RunningService, start_service, wait_for_termination
 from services.router.cancel import CancelScope
 from services.router.generate import DEFAULT_REQUEST_TIMEOUT_S, GenerateFlow
@@ -83,7 +84,8 @@ def start_router(args: argparse.Namespace) -> RunningRouter:
     flow = build_flow(args)
     servicer = GenerationServicer(flow)
     service = start_service(
-        "router", [(generate_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME)],
+        "router", [(generate_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME),
+                   (worker_pb2_grpc.add_AdminServicer_to_server, RouterAdminServicer(flow.pool), "pdserve.v1.Admin")],
         args.host, args.port, args.metrics_port,
         max_workers=ROUTER_MAX_STREAMS,
     )

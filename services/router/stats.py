@@ -28,6 +28,8 @@ class RequestStats:
     start: float = field(default_factory=time.monotonic)
     """When the request was received (time.monotonic seconds)."""
     prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens the prefill worker took from its prefix cache."""
     tokenize: float = 0.0
     prefill: float = 0.0
     kv_transfer: float = 0.0
@@ -41,8 +43,8 @@ class RequestStats:
         metrics.TOKENIZE_TIME.labels(ROLE).observe(seconds)
         metrics.PROMPT_TOKENS.labels(ROLE).inc(prompt_tokens)
 
-    def on_prefill(self, seconds: float) -> None:
-        self.prefill = seconds
+    def on_prefill(self, seconds: float, cached_tokens: int = 0) -> None:
+        self.prefill, self.cached_tokens = seconds, cached_tokens
         metrics.PREFILL_TIME.labels(ROLE).observe(seconds)
 
     def on_decode_started(self) -> None:
@@ -81,7 +83,7 @@ class RequestStats:
 
     def usage(self) -> generate_pb2.Usage:
         return generate_pb2.Usage(
-            prompt_tokens=self.prompt_tokens, completion_tokens=self.num_tokens, cached_tokens=0
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.num_tokens, cached_tokens=self.cached_tokens
         )
 
     def timings(self) -> generate_pb2.Timings:

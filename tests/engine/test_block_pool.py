@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from services.engine.block_pool import BlockPool
 from services.engine.errors import ResourceExhaustedError
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from services.engine.kv_cache import KVCache, KVCacheSpec, slot_mapping
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
@@ -81,3 +82,108 @@ def test_read_write_blocks_roundtrip():
     cache.write_blocks([5, 0, 3], data)
     assert torch.equal(cache.read_blocks([5, 0, 3]), data)
     assert torch.equal(cache.kv[:, :, 1], torch.zeros(2, 2, 2, 2, 4))
+
+
+# -- the prefix cache's states: free, cached (hash, unreferenced), used ------------------------
+
+def _hashes(n: int, tag: bytes = b"") -> list[bytes]:
+    return [bytes([i]) * 31 + tag[:1].ljust(1, b"\0") for i in range(n)]
+
+
+def _cached_run(pool: BlockPool, n: int, tag: bytes = b"") -> tuple[list[int], list[bytes]]:
+    """Allocate n blocks, give them a chain of hashes, free them (tail first): all cached."""
+    blocks, hashes = pool.allocate(n), _hashes(n, tag)
+    pool.cache_blocks(blocks, hashes, b"root", list(range(n * 2)), 2)
+    pool.free(blocks[::-1])
+    return blocks, hashes
+
+
+def test_freed_hashed_blocks_stay_cached_until_evicted_lru_first():
+    pool = BlockPool(4, record_events=True)
+    blocks, hashes = _cached_run(pool, 3)
+    assert (pool.num_cached_blocks, pool.num_free_blocks, pool.num_used_blocks) == (3, 4, 0)
+    assert pool.lookup(hashes) == blocks
+    # The free block goes first; then the least recently freed cached block (the chain's tail).
+    first = pool.allocate(1)
+    assert first not in blocks and pool.lookup(hashes) == blocks
+    second = pool.allocate(1)
+    assert second == [blocks[2]] and pool.block_hash(blocks[2]) is None  # evicted: hash gone first
+    assert pool.lookup(hashes) == blocks[:2]
+    assert pool.events[-1] == BlockRemoved((hashes[2],))
+    pool.check_integrity()
+
+
+def test_hit_takes_cached_blocks_out_of_the_lru():
+    pool = BlockPool(3)
+    blocks, hashes = _cached_run(pool, 2)
+    pool.incref(pool.lookup(hashes))  # a request reuses both
+    assert (pool.num_cached_blocks, pool.num_free_blocks) == (0, 1)
+    with pytest.raises(ResourceExhaustedError):
+        pool.allocate(2)  # referenced cached blocks are never evicted
+    pool.free(blocks[::-1])
+    assert pool.num_cached_blocks == 2
+    pool.check_integrity()
+
+
+def test_lookup_stops_at_the_first_missing_hash():
+    pool = BlockPool(8)
+    blocks, hashes = _cached_run(pool, 3)
+    assert pool.evict(blocks[1]) and not pool.evict(blocks[1])
+    assert pool.lookup(hashes) == blocks[:1]  # block 2 is still cached but unreachable
+    assert pool.block_hash(blocks[2]) == hashes[2]
+
+
+def test_a_hash_held_by_another_block_is_not_stored_twice():
+    pool = BlockPool(4, record_events=True)
+    blocks, hashes = _cached_run(pool, 2)
+    again = pool.allocate(2)
+    pool.cache_blocks(again, [hashes[0], b"x" * 32], b"root", [9, 9, 8, 8], 2)
+    assert pool.block_hash(again[0]) is None and pool.block_hash(again[1]) == b"x" * 32
+    assert pool.events[-1] == BlockStored((b"x" * 32,), hashes[0], (8, 8), 2)
+    pool.free(again)
+    pool.check_integrity()
+
+
+def test_reset_prefix_cache_forgets_every_hash():
+    pool = BlockPool(4, record_events=True)
+    _, hashes = _cached_run(pool, 2)
+    used = pool.allocate(1)
+    pool.cache_blocks(used, [b"u" * 32], b"root", [1, 2], 2)
+    assert pool.reset_prefix_cache() == 3
+    assert pool.lookup(hashes) == [] and pool.lookup([b"u" * 32]) == [] and pool.num_cached_blocks == 0
+    assert isinstance(pool.events[-1], AllBlocksCleared)
+    pool.free(used)
+    assert pool.num_free_blocks == 4
+    pool.check_integrity()
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from("acfle"), st.integers(0, 7)), max_size=80))
+def test_random_prefix_cache_operations_keep_integrity(ops):
+    """allocate / cache / free / lookup+reuse / evict in any order: the states stay consistent,
+    allocation never hands out a block with a hash, and a lookup returns blocks that hold the
+    looked-up hashes, in order."""
+    pool = BlockPool(12, shuffle=True)
+    held: list[list[int]] = []
+    chain = _hashes(8, b"c")
+    for op, n in ops:
+        if op == "a" and 1 <= n <= pool.num_free_blocks:
+            blocks = pool.allocate(n)
+            assert all(pool.block_hash(b) is None for b in blocks)
+            held.append(blocks)
+        elif op == "c" and held:
+            blocks = held[n % len(held)]
+            k = min(len(blocks), len(chain))
+            pool.cache_blocks(blocks[:k], chain[:k], b"root", list(range(2 * k)), 2)
+        elif op == "f" and held:
+            pool.free(held.pop(n % len(held))[::-1])
+        elif op == "l":
+            hits = pool.lookup(chain[: n + 1])
+            assert [pool.block_hash(b) for b in hits] == chain[: len(hits)]
+            if hits:
+                pool.incref(hits)
+                held.append(hits)
+        elif op == "e":
+            pool.evict(n)
+        pool.check_integrity()
+        assert pool.num_used_blocks == len({b for blocks in held for b in blocks})

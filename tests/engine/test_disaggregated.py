@@ -82,8 +82,8 @@ def test_decode_uses_the_transferred_kv(tiny_llama):
     prefill, decode, transfer = _pair(tiny_llama)
     original_read = prefill.read_kv
 
-    def corrupted_read(handle):
-        data = original_read(handle)
+    def corrupted_read(handle, first_block=0):
+        data = original_read(handle, first_block)
         data[:, :, 1] = 0.0  # zero the second block of every layer's K and V
         return data
 

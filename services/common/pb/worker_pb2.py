@@ -25,33 +25,39 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"l\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\x9a\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x94\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\"\x83\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"5\n\rPullKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\"g\n\x07KVChunk\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x62lock_offset\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x89\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\x87\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\x92\x01\n\nKVTransfer\x12:\n\x06PullKV\x12\x19.pdserve.v1.PullKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x80\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\xb5\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"\xa8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x9e\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"\x19\n\x17ResetPrefixCacheRequest\"K\n\x18ResetPrefixCacheResponse\x12\x13\n\x0bnum_workers\x18\x01 \x01(\x05\x12\x1a\n\x12num_blocks_cleared\x18\x02 \x01(\x03\"J\n\rPullKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\"g\n\x07KVChunk\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x62lock_offset\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x89\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\x87\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2f\n\x05\x41\x64min\x12]\n\x10ResetPrefixCache\x12#.pdserve.v1.ResetPrefixCacheRequest\x1a$.pdserve.v1.ResetPrefixCacheResponse2\x92\x01\n\nKVTransfer\x12:\n\x06PullKV\x12\x19.pdserve.v1.PullKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLREQUEST']._serialized_start=64
-  _globals['_PREFILLREQUEST']._serialized_end=172
-  _globals['_PREFILLRESPONSE']._serialized_start=175
-  _globals['_PREFILLRESPONSE']._serialized_end=329
-  _globals['_DECODEREQUEST']._serialized_start=332
-  _globals['_DECODEREQUEST']._serialized_end=480
-  _globals['_DECODERESPONSE']._serialized_start=483
-  _globals['_DECODERESPONSE']._serialized_end=614
-  _globals['_PULLKVREQUEST']._serialized_start=616
-  _globals['_PULLKVREQUEST']._serialized_end=669
-  _globals['_KVCHUNK']._serialized_start=671
-  _globals['_KVCHUNK']._serialized_end=774
-  _globals['_RELEASEKVREQUEST']._serialized_start=776
-  _globals['_RELEASEKVREQUEST']._serialized_end=814
-  _globals['_RELEASEKVRESPONSE']._serialized_start=816
-  _globals['_RELEASEKVRESPONSE']._serialized_end=853
-  _globals['_PREFILL']._serialized_start=856
-  _globals['_PREFILL']._serialized_end=993
-  _globals['_DECODE']._serialized_start=996
-  _globals['_DECODE']._serialized_end=1131
-  _globals['_KVTRANSFER']._serialized_start=1134
-  _globals['_KVTRANSFER']._serialized_end=1280
+  _globals['_PREFILLREQUEST']._serialized_start=65
+  _globals['_PREFILLREQUEST']._serialized_end=193
+  _globals['_PREFILLRESPONSE']._serialized_start=196
+  _globals['_PREFILLRESPONSE']._serialized_end=377
+  _globals['_DECODEREQUEST']._serialized_start=380
+  _globals['_DECODEREQUEST']._serialized_end=548
+  _globals['_DECODERESPONSE']._serialized_start=551
+  _globals['_DECODERESPONSE']._serialized_end=709
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=711
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=736
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=738
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=813
+  _globals['_PULLKVREQUEST']._serialized_start=815
+  _globals['_PULLKVREQUEST']._serialized_end=889
+  _globals['_KVCHUNK']._serialized_start=891
+  _globals['_KVCHUNK']._serialized_end=994
+  _globals['_RELEASEKVREQUEST']._serialized_start=996
+  _globals['_RELEASEKVREQUEST']._serialized_end=1034
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1036
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1073
+  _globals['_PREFILL']._serialized_start=1076
+  _globals['_PREFILL']._serialized_end=1213
+  _globals['_DECODE']._serialized_start=1216
+  _globals['_DECODE']._serialized_end=1351
+  _globals['_ADMIN']._serialized_start=1353
+  _globals['_ADMIN']._serialized_end=1455
+  _globals['_KVTRANSFER']._serialized_start=1458
+  _globals['_KVTRANSFER']._serialized_end=1604
 # @@protoc_insertion_point(module_scope)

@@ -8,56 +8,78 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "finish_reason", "kv_handle", "first_logprob")
+    __slots__ = ("first_token_id", "finish_reason", "kv_handle", "first_logprob", "num_cached_tokens")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     finish_reason: str
     kv_handle: _common_pb2.KVHandle
     first_logprob: _common_pb2.TokenLogprob
-    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_handle")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_handle", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     kv_handle: _common_pb2.KVHandle
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "kv_transfer_seconds", "logprobs")
+    __slots__ = ("token_ids", "finish_reason", "kv_transfer_seconds", "logprobs", "num_cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     kv_transfer_seconds: float
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., kv_transfer_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., kv_transfer_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("num_workers", "num_blocks_cleared")
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    num_workers: int
+    num_blocks_cleared: int
+    def __init__(self, num_workers: _Optional[int] = ..., num_blocks_cleared: _Optional[int] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "first_block")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     handle: _common_pb2.KVHandle
-    def __init__(self, handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ...) -> None: ...
+    first_block: int
+    def __init__(self, handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("layout", "block_offset", "num_blocks", "data")

@@ -265,6 +265,85 @@ class Decode:
             _registered_method=True)
 
 
+class AdminStub:
+    """Operator controls, served by prefill and decode workers and by the router (which applies each
+    call to every worker it routes to).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pdserve.v1.Admin/ResetPrefixCache',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Operator controls, served by prefill and decode workers and by the router (which applies each
+    call to every worker it routes to).
+    """
+
+    def ResetPrefixCache(self, request, context):
+        """Forget every cached prefix; requests in flight keep their blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Operator controls, served by prefill and decode workers and by the router (which applies each
+    call to every worker it routes to).
+    """
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/ResetPrefixCache',
+            pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class KVTransferStub:
     """Served by prefill workers: decode workers pull pinned blocks and release them.
     """

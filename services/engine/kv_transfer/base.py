@@ -41,10 +41,12 @@ class KVSource(ABC):
     """The source side of a transfer: an engine that can read and release pinned blocks."""
 
     @abstractmethod
-    def read_kv(self, handle: KVHandle) -> torch.Tensor:
-        """K/V of the handle's blocks: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+    def read_kv(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
+        """K/V of the handle's blocks from `first_block` on:
+        [num_layers, 2, len(block_ids) - first_block, block_size, num_kv_heads, head_dim].
 
-        Raises RequestNotFoundError if the handle was already released.
+        Raises RequestNotFoundError if the handle was already released, InvalidRequestError for a
+        `first_block` outside the handle.
         """
 
     @abstractmethod
@@ -64,8 +66,9 @@ class KVTransfer(ABC):
         """Source side: the handle's blocks are pinned and may be pulled."""
 
     @abstractmethod
-    def pull(self, handle: KVHandle) -> torch.Tensor:
-        """Destination side: fetch the handle's blocks (shape as `KVSource.read_kv`).
+    def pull(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
+        """Destination side: fetch the handle's blocks from `first_block` on (the ones before it
+        are in the destination's own prefix cache); shape as `KVSource.read_kv`.
 
         Raises RequestNotFoundError for an unknown or released handle.
         """

@@ -44,12 +44,12 @@ class InMemoryKVTransfer(KVTransfer):
         if released_early:
             self.release(handle.request_id)
 
-    def pull(self, handle: KVHandle) -> torch.Tensor:
+    def pull(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
         with self._lock:
             source = self._sources.get(handle.engine_id)
             if self._status.get(handle.request_id) != TransferStatus.PUBLISHED or source is None:
                 raise RequestNotFoundError(f"no published KV for request {handle.request_id!r}")
-        data = source.read_kv(handle)
+        data = source.read_kv(handle, first_block)
         self.bytes_transferred += data.numel() * data.element_size()
         return data
 

@@ -1,0 +1,61 @@
+"""Content hashes of full KV blocks, the keys of automatic prefix caching.
+
+A block's hash chains its parent's: hash(parent block hash, model id, cache salt, the block's
+token ids), so equal hashes mean equal tokens from position 0 up to the block's end, for the same
+model and salt (vLLM v1's prefix-caching design; SGLang's radix tree reaches the same identity
+with a tree walk). SHA-256 over a fixed little-endian encoding makes hashes identical across
+processes and hosts; Python's `hash()` is salted per process and must never be used here.
+Only full blocks are hashed: a partial block's KV is not shareable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes
+"""32-byte SHA-256 digest; `.hex()` is its text form in events, logs and (later) Redis keys."""
+
+ROOT_HASH: BlockHash = hashlib.sha256(b"pdserve.block_hash.v1").digest()
+"""The parent of every prompt's first block."""
+
+
+def _field(text: str | None) -> bytes:
+    """Length-prefixed UTF-8, so (model, salt) pairs can never run into each other; None and ""
+    differ."""
+    if text is None:
+        return b"\xff\xff\xff\xff"
+    data = text.encode()
+    return struct.pack("<I", len(data)) + data
+
+
+def hash_block(
+    parent: BlockHash, token_ids: Sequence[int], model_id: str, cache_salt: str | None = None
+) -> BlockHash:
+    """Hash of one full block whose predecessor has hash `parent` (ROOT_HASH for block 0)."""
+    digest = hashlib.sha256(parent)
+    digest.update(_field(model_id))
+    digest.update(_field(cache_salt))
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    model_id: str,
+    cache_salt: str | None = None,
+    known: Sequence[BlockHash] = (),
+) -> list[BlockHash]:
+    """Hashes of every full block of `token_ids`: [len(token_ids) // block_size] digests.
+
+    `known` are hashes already computed for the first blocks of the same sequence (a request
+    extends its list as its output fills blocks); they are kept, not recomputed.
+    """
+    hashes = list(known)
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], model_id, cache_salt)
+        hashes.append(parent)
+    return hashes
