@@ -16,8 +16,6 @@ Prints a table and writes JSON (default benchmarks/results/decode_throughput.jso
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 import warnings
@@ -27,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from equivalence import judge
+from report import write_result
 from services.engine import Engine, EngineConfig, SamplingParams
 from services.engine.loader import resolve_model
 
@@ -154,16 +153,8 @@ def main() -> None:
             single["bfloat16"]["pdserve_tokens_per_s"] / single["float32"]["transformers_tokens_per_s"]
         )
         print(f"one bfloat16 request vs transformers float32: x{summary['bf16_single_vs_transformers_fp32']:.2f}")
-    result = {
-        "command": "python benchmarks/decode_throughput.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
-                    "torch": torch.__version__, "copy_bandwidth_bytes_per_s": bandwidth},
-        "rows": rows, "summary": summary,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result("decode_throughput.py", args, args.threads,
+                 {"copy_bandwidth_bytes_per_s": bandwidth, "rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -74,8 +74,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if not out.scheduled:
             return ModelRunnerOutput()
-        # Multi-token work first (prefill chunks), then single-token requests as one decode batch.
-        items = sorted(out.scheduled, key=lambda s: len(s.token_ids) == 1)
+        # Prefill chunks first, longest first (equal lengths side by side), then single-token
+        # requests as one decode batch.
+        items = sorted(out.scheduled, key=lambda s: (len(s.token_ids) == 1, -len(s.token_ids)))
         input_ids, positions, meta, logits_rows = self._prepare(items)
         sampling = [(i, s) for i, s in enumerate(items) if s.sample is not None]
         logits_indices = torch.tensor([logits_rows[i] for i, _ in sampling], dtype=torch.long)

@@ -99,3 +99,20 @@ def test_max_model_len_caps_generation(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=64, max_model_len=20)
     (out,) = engine.generate([list(range(2, 17))], SamplingParams(max_tokens=100, **GREEDY))
     assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_a_step_orders_prompt_chunks_by_length_after_fcfs_admission(tiny_llama):
+    """Admission is first come, first served (all three fit the budget); inside the step the
+    prompt chunks run longest first, so equal lengths sit side by side."""
+    engine = make_engine(tiny_llama, num_blocks=256, max_num_batched_tokens=64)
+    seen = []
+    model = engine.runner.model
+    engine.runner.model = lambda ids, pos, cache, meta, rows: (seen.append(meta), model(ids, pos, cache, meta, rows))[1]
+    requests = {f"r{i}": (list(range(2 + 50 * i, 2 + 50 * i + n)), SamplingParams(max_tokens=2, **GREEDY))
+                for i, n in enumerate([5, 20, 12, 20])}
+    outs, steps = run_to_completion(engine, requests)
+    assert steps[0] == {"r0": 5, "r1": 20, "r2": 12, "r3": 20}
+    assert [p.query_len for p in seen[0].prefills] == [20, 20, 12, 5]
+    assert [(rows.numel(), n) for rows, n in seen[0].fresh_prefill_groups] == [(40, 2), (12, 1), (5, 1)]
+    reference, _ = run_to_completion(make_engine(tiny_llama, num_blocks=256), requests)
+    assert outs == reference

@@ -88,3 +88,24 @@ def test_tensor_bytes_round_trip(dtype):
     assert torch.equal(again, tensor)
     with pytest.raises(ValueError, match="kv chunk"):
         tensor_from_bytes(tensor_to_bytes(tensor)[:-2], dtype, tuple(tensor.shape))
+
+
+def test_partial_pulls_skip_cached_blocks_and_refetch_what_was_evicted(tiny_llama, prefill_side):
+    """first_block skips the blocks the destination's prefix cache holds; when the destination
+    asks for fewer skipped blocks than it prefetched without (its cached block was evicted in
+    between), the missing blocks are fetched at pull time, while the source still pins them."""
+    prefill, address, block_bytes = prefill_side
+    handle = _prefill(prefill, "p", list(range(3, 40)))  # 10 blocks of 4
+    whole = prefill.read_kv(handle)
+    transfer = GrpcKVTransfer("decode")
+    transfer.set_source("p", address)
+    transfer.prefetch(handle, first_block=6)
+    assert transfer.bytes_transferred == 4 * block_bytes
+    assert torch.equal(transfer.pull(handle, 7), whole[:, :, 7:])  # the prefetched copy, cut
+    transfer.prefetch(handle, first_block=6)
+    assert torch.equal(transfer.pull(handle, 2), whole[:, :, 2:])  # blocks 2..5 fetched now
+    assert transfer.bytes_transferred == (4 + 4 + 8) * block_bytes
+    transfer.prefetch(handle, first_block=10)  # every block cached: nothing to pull
+    assert transfer.bytes_transferred == 16 * block_bytes
+    transfer.complete(handle)
+    assert prefill.kv_cache.pool.num_used_blocks == 0
