@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import numbers
 import random
 import time
 import uuid
@@ -17,13 +16,13 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from services.engine.admission import RequestChecker
 from services.engine.config import EngineConfig, EngineRole
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.errors import (
     InvalidRequestError,
     KVTransferError,
     RequestNotFoundError,
-    ResourceExhaustedError,
 )
 from services.engine.kv_cache import KVCache
 from services.engine.kv_events import KVEvent
@@ -59,6 +58,7 @@ class Engine(KVSource):
         self.scheduler = Scheduler(config, self.kv_cache)
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
         self.tokenizer = _load_tokenizer(self.model_path)
+        self.checker = RequestChecker(config, self.runner.vocab_size, num_blocks, self.tokenizer)
         self.eos_token_id = _eos_token_id(hf_config, self.tokenizer)
         self.kv_transfer = kv_transfer or InMemoryKVTransfer()
         self.kv_transfer.register_source(config.engine_id, self)
@@ -93,10 +93,8 @@ class Engine(KVSource):
             raise InvalidRequestError("request_id", "must be a non-empty string")
         if request_id in self.requests or request_id in self.pinned:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
-        prompt_ids = self._tokenize(prompt)
-        self._validate(request_id, prompt_ids, params, kv_handle)
+        prompt_ids = self.checker.prompt_ids(prompt)
+        self.checker.check(request_id, prompt_ids, params, kv_handle, cache_salt)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(
             request_id, prompt_ids, params, seed, self.eos_token_id, time.monotonic(), kv_handle, cache_salt
@@ -112,57 +110,6 @@ class Engine(KVSource):
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
-
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("prompt", "this model folder has no tokenizer; send token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
-        if prompt is None or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError("prompt_token_ids", "must be a string or a list of integers")
-        return [int(t) for t in prompt]
-
-    def _validate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_handle: KVHandle | None
-    ) -> None:
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
-        if not prompt_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        if len(prompt_ids) >= self.config.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{len(prompt_ids)} tokens; max_model_len is {self.config.max_model_len}"
-            )
-        self.runner.check_token_ids(prompt_ids, "prompt_token_ids")
-        self.runner.check_token_ids(list(params.stop_token_ids), "stop_token_ids")
-        role = self.config.role
-        if role == EngineRole.DECODE and kv_handle is None:
-            raise InvalidRequestError("kv_handle", "a DECODE engine needs the prompt's KV handle")
-        if role != EngineRole.DECODE and kv_handle is not None:
-            raise InvalidRequestError("kv_handle", f"a {role.name} engine computes its own prompt KV")
-        if kv_handle is not None:
-            self._validate_handle(kv_handle, request_id, len(prompt_ids))
-        # A PREFILL engine only ever holds the prompt (+ the first token) before the hand-off.
-        max_tokens = 1 if role == EngineRole.PREFILL else params.max_tokens
-        max_len = min(len(prompt_ids) + max_tokens, self.config.max_model_len)
-        needed = -(-max_len // self.config.block_size)
-        if needed > self.kv_cache.num_blocks:
-            raise ResourceExhaustedError(
-                f"request needs {needed} KV blocks, the cache has {self.kv_cache.num_blocks}"
-            )
-
-    def _validate_handle(self, handle: KVHandle, request_id: str, num_prompt_tokens: int) -> None:
-        """A handle must describe exactly this request's prompt in this engine's block size."""
-        if handle.request_id != request_id:
-            raise InvalidRequestError("kv_handle", f"is for request {handle.request_id!r}, not {request_id!r}")
-        if handle.num_tokens != num_prompt_tokens:
-            raise InvalidRequestError("kv_handle", "num_tokens does not match the prompt length")
-        if len(handle.block_ids) != -(-num_prompt_tokens // self.config.block_size):
-            raise InvalidRequestError(
-                "kv_handle", f"{len(handle.block_ids)} blocks cannot hold {num_prompt_tokens} tokens "
-                f"at block_size {self.config.block_size}"
-            )
-        self.runner.check_token_ids([handle.first_token_id], "kv_handle.first_token_id")
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks. Raises RequestNotFoundError for an unknown id."""

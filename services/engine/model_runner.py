@@ -14,7 +14,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from services.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
 from services.engine.config import EngineConfig
-from services.engine.errors import InvalidRequestError
 from services.engine.kv_cache import KVCache, slot_mapping
 from services.engine.models import MODEL_REGISTRY
 from services.engine.sampler import TokenLogprobs, sample
@@ -128,11 +127,6 @@ class ModelRunner:
             slot_mapping(item.block_table, item.start_position, item.start_position + len(item.token_ids), block_size)
             for item in items
         ])
-
-    def check_token_ids(self, token_ids: list[int], field_name: str) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(field_name, f"token ids {bad[:5]} outside [0, {self.vocab_size})")
 
 
 def _pad(tables: list[list[int]]) -> torch.Tensor:

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from services.common.convert import sampling_from_proto
 from services.common.pb import generate_pb2
+from services.engine.admission import check_token_ids
 from services.engine.errors import InvalidRequestError
 from services.engine.loader import resolve_model
 from services.engine.model_runner import resolve_max_model_len
@@ -161,10 +162,3 @@ def chat_messages(chat: generate_pb2.ChatMessages) -> list[dict[str, str]]:
                 f"chat.messages[{i}].role", f"expected one of {', '.join(CHAT_ROLES)}, got {message.role!r}"
             )
     return [{"role": m.role, "content": m.content} for m in chat.messages]
-
-
-def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
-    """InvalidRequestError naming `field` if any id is outside [0, vocab_size)."""
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(field, f"token ids {bad[:5]} outside [0, {vocab_size})")

@@ -101,3 +101,17 @@ def test_cached_tokens_follow_up_turn_salt_reset_and_exact_metrics(cluster, defa
     pulled = (5 + 1 + 2 + 5 + 5) * bytes_per_block
     assert delta[("decode", "pdserve_kv_transfer_bytes_total")] == pulled
     assert delta[("prefill", "pdserve_kv_transfer_bytes_total")] == pulled
+
+
+def test_usage_cached_tokens_rule_for_every_prompt_length_1_to_80(cluster, default_model, real_text_ids):
+    """Through the public API: each length sent twice; the second send reports
+    (n - 1) // 16 * 16 cached tokens (the first none), and both first tokens meet the
+    equivalence rule against transformers."""
+    for n in range(1, 81):
+        prompt = real_text_ids[9000 + 100 * n : 9000 + 100 * n + n]  # disjoint texts per length
+        cold, cold_cached = _generate(cluster.stub, prompt, 1)
+        warm, warm_cached = _generate(cluster.stub, prompt, 1)
+        assert (cold_cached, warm_cached) == (0, (n - 1) // BLOCK * BLOCK), n
+        reference = hf_greedy(default_model, prompt, 1)
+        assert_equivalent(cold, reference, f"cold n={n}")
+        assert_equivalent(warm, reference, f"warm n={n}")

@@ -224,8 +224,9 @@ def _fake_logprob(token_id: int, request) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(token_id=token_id, logprob=-0.5, rank=1, top=top)
 
 
-class FakePrefill(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.KVTransferServicer):
-    """Returns a canned first token; records requests and ReleaseKV calls."""
+class FakePrefill(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.KVTransferServicer, worker_pb2_grpc.AdminServicer):
+    """Returns a canned first token (and `cached_tokens`); records requests and ReleaseKV calls;
+    answers ResetPrefixCache with 7 blocks cleared."""
 
     def __init__(self) -> None:
         self.source = ""
@@ -233,6 +234,7 @@ class FakePrefill(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.KVTransferSer
 
     def reset(self, first_token: list[int], finish_reason: str = "", error: grpc.StatusCode | None = None) -> None:
         self.first_token, self.finish_reason, self.error = first_token[0], finish_reason, error
+        self.cached_tokens = 0
         self.requests: list[worker_pb2.PrefillRequest] = []
         self.released: list[str] = []
 
@@ -247,7 +249,7 @@ class FakePrefill(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.KVTransferSer
                 num_tokens=len(request.prompt_token_ids), first_token_id=self.first_token, source=self.source,
             )
         response = worker_pb2.PrefillResponse(first_token_id=self.first_token, finish_reason=self.finish_reason,
-                                              kv_handle=handle)
+                                              kv_handle=handle, num_cached_tokens=self.cached_tokens)
         if request.sampling.HasField("logprobs"):
             response.first_logprob.CopyFrom(_fake_logprob(self.first_token, request))
         return response
@@ -255,6 +257,9 @@ class FakePrefill(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.KVTransferSer
     def ReleaseKV(self, request, context):  # noqa: N802
         self.released.append(request.request_id)
         return worker_pb2.ReleaseKVResponse(released=True)
+
+    def ResetPrefixCache(self, request, context):  # noqa: N802
+        return worker_pb2.ResetPrefixCacheResponse(num_workers=1, num_blocks_cleared=7)
 
 
 class FakeDecode(worker_pb2_grpc.DecodeServicer):
@@ -314,6 +319,7 @@ def cluster(model_info):
     prefill_service = start_service("prefill", [
         (worker_pb2_grpc.add_PrefillServicer_to_server, prefill, "pdserve.v1.Prefill"),
         (worker_pb2_grpc.add_KVTransferServicer_to_server, prefill, "pdserve.v1.KVTransfer"),
+        (worker_pb2_grpc.add_AdminServicer_to_server, prefill, "pdserve.v1.Admin"),
     ], "127.0.0.1", 0, 0)
     prefill.source = prefill_service.grpc_address
     decode_service = start_service(
@@ -631,6 +637,8 @@ def test_http_chat_completion_uses_the_chat_template(cluster, model_info, tokeni
         ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
         ("/v1/completions", {"prompt": PROMPT, "echo": True}, "echo"),
         ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
+        ("/v1/completions", {"prompt": PROMPT, "cache_salt": 5}, "cache_salt"),
+        ("/v1/completions", {"prompt": PROMPT, "cache_salt": ""}, "cache_salt"),
     ],
 )
 def test_http_bad_input_is_400_naming_the_field(cluster, path, payload, field):
@@ -665,3 +673,26 @@ def test_logprobs_follow_the_accepted_tokens(cluster, stub, tokenizer):
     tokens = [t for m in messages for t in m.token_ids]
     assert messages[-1].finish_reason == "stop" and len(tokens) < len(ids)
     assert [lp.token_id for m in messages for lp in m.logprobs] == tokens
+
+
+def test_cache_salt_reaches_both_workers_and_cached_tokens_reach_usage(cluster, tokenizer):
+    ids = _completion_ids(tokenizer)
+    _script(cluster, ids)
+    cluster[1].cached_tokens = 32
+    status, data = _post(cluster[0].http.url + "/v1/completions",
+                         {"prompt": PROMPT, "max_tokens": len(ids), "cache_salt": "tenant-a"})
+    assert status == 200
+    assert json.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    assert cluster[1].requests[-1].cache_salt == cluster[2].requests[-1].cache_salt == "tenant-a"
+
+
+def test_router_reset_prefix_cache_names_the_workers_that_did_not_answer(cluster):
+    """The fake prefill worker serves Admin, the fake decode worker does not: the reset goes on
+    where it can and the caller learns which worker missed it."""
+    channel = grpc.insecure_channel(cluster[0].service.grpc_address)
+    with pytest.raises(grpc.RpcError) as failed:
+        worker_pb2_grpc.AdminStub(channel).ResetPrefixCache(worker_pb2.ResetPrefixCacheRequest(), timeout=10)
+    channel.close()
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    decode_address = cluster[0].flow.pool.decode[0]
+    assert "on 1 workers" in failed.value.details() and f"{decode_address} (UNIMPLEMENTED)" in failed.value.details()

@@ -1,0 +1,86 @@
+"""What a new request must satisfy before it enters an engine; every failure names the field."""
+
+from __future__ import annotations
+
+import numbers
+
+from services.engine.config import EngineConfig, EngineRole
+from services.engine.errors import InvalidRequestError, ResourceExhaustedError
+from services.engine.kv_transfer.base import KVHandle
+from services.engine.sampling_params import SamplingParams
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
+    """InvalidRequestError naming `field` if any id is outside [0, vocab_size)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(field, f"token ids {bad[:5]} outside [0, {vocab_size})")
+
+
+class RequestChecker:
+    """Turns a prompt into token ids and checks a request against the engine's role, config,
+    vocabulary and KV cache size.
+
+    Raises InvalidRequestError (bad prompt, ids, params, salt or KV handle) and
+    ResourceExhaustedError (the request could never fit in `num_blocks` KV blocks).
+    """
+
+    def __init__(self, config: EngineConfig, vocab_size: int, num_blocks: int, tokenizer) -> None:
+        assert config.max_model_len is not None
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self.vocab_size = vocab_size
+        self.num_blocks = num_blocks
+        self.tokenizer = tokenizer
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt (no special tokens added) or a checked copy of given ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this model folder has no tokenizer; send token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        if prompt is None or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt_token_ids", "must be a string or a list of integers")
+        return [int(t) for t in prompt]
+
+    def check(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_handle: KVHandle | None,
+        cache_salt: str | None,
+    ) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens; max_model_len is {self.max_model_len}")
+        check_token_ids(prompt_ids, self.vocab_size, "prompt_token_ids")
+        check_token_ids(list(params.stop_token_ids), self.vocab_size, "stop_token_ids")
+        role = self.config.role
+        if role == EngineRole.DECODE and kv_handle is None:
+            raise InvalidRequestError("kv_handle", "a DECODE engine needs the prompt's KV handle")
+        if role != EngineRole.DECODE and kv_handle is not None:
+            raise InvalidRequestError("kv_handle", f"a {role.name} engine computes its own prompt KV")
+        if kv_handle is not None:
+            self._check_handle(kv_handle, request_id, len(prompt_ids))
+        # A PREFILL engine only ever holds the prompt (+ the first token) before the hand-off.
+        max_tokens = 1 if role == EngineRole.PREFILL else params.max_tokens
+        max_len = min(len(prompt_ids) + max_tokens, self.max_model_len)
+        needed = -(-max_len // self.config.block_size)
+        if needed > self.num_blocks:
+            raise ResourceExhaustedError(f"request needs {needed} KV blocks, the cache has {self.num_blocks}")
+
+    def _check_handle(self, handle: KVHandle, request_id: str, num_prompt_tokens: int) -> None:
+        """A handle must describe exactly this request's prompt in this engine's block size."""
+        if handle.request_id != request_id:
+            raise InvalidRequestError("kv_handle", f"is for request {handle.request_id!r}, not {request_id!r}")
+        if handle.num_tokens != num_prompt_tokens:
+            raise InvalidRequestError("kv_handle", "num_tokens does not match the prompt length")
+        block_size = self.config.block_size
+        if len(handle.block_ids) != -(-num_prompt_tokens // block_size):
+            raise InvalidRequestError(
+                "kv_handle", f"{len(handle.block_ids)} blocks cannot hold {num_prompt_tokens} tokens "
+                f"at block_size {block_size}"
+            )
+        check_token_ids([handle.first_token_id], self.vocab_size, "kv_handle.first_token_id")
