@@ -20,18 +20,31 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ["float32", "bfloat16", "float16"]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None or its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="pdserve: disaggregated prefill/decode LLM serving"
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    _add_run(commands.add_parser("run", help="generate with an in-process engine (no servers)"))
-    _add_serve(commands.add_parser("serve", help="start a local cluster: router + prefill and decode pools"))
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:  # noqa: A002 - argparse's name
+        return commands.add_parser(name, help=help, formatter_class=_HelpFormatter)
+
+    _add_run(add("run", help="generate with an in-process engine (no servers)"))
+    _add_serve(add("serve", help="start a local cluster: router + prefill and decode pools"))
     for role in ("prefill", "decode"):
-        _add_worker(commands.add_parser(role, help=f"start one {role} worker"), role)
-    _add_router(commands.add_parser("router", help="start the router (public Generate API)"))
-    _add_generate(commands.add_parser("generate", help="send one request to a router and stream the answer"))
-    reset = commands.add_parser("reset-prefix-cache", help="forget every cached prefix (a router: on all its workers)")
+        _add_worker(add(role, help=f"start one {role} worker"), role)
+    _add_router(add("router", help="start the router (public Generate API)"))
+    _add_generate(add("generate", help="send one request to a router and stream the answer"))
+    reset = add("reset-prefix-cache", help="forget every cached prefix (a router: on all its workers)")
     reset.add_argument("--url", default="127.0.0.1:50051", help="router or worker HOST:PORT")
     reset.add_argument("--timeout", type=float, default=30.0, help="deadline in seconds")
     return parser
@@ -62,6 +75,10 @@ def _add_run(run: argparse.ArgumentParser) -> None:
     run.add_argument("--dtype", default=None, choices=DTYPES)
     run.add_argument("--block-size", type=int, default=16)
     run.add_argument("--max-model-len", type=int, default=None)
+    run.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                     help="most tokens in one step; longer prompts are prefilled in chunks of this size")
+    run.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="reuse the KV of cached full blocks across requests")
     _add_sampling(run)
 
 
@@ -78,7 +95,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
                         help="most tokens in one step; longer prompts are prefilled in chunks of this size")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV of cached full blocks across requests (default: on)")
+                        help="reuse the KV of cached full blocks across requests")
 
 
 def _add_listen_flags(parser: argparse.ArgumentParser, port: int) -> None:
@@ -154,7 +171,8 @@ def _run(args: argparse.Namespace) -> int:
         top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
     )
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
-                                 max_model_len=args.max_model_len))
+                                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                                 enable_prefix_caching=args.enable_prefix_caching))
     if args.prompt_ids is not None:
         prompt: str | list[int] = parse_ids(args.prompt_ids)
     elif args.chat is not None:

@@ -18,6 +18,7 @@ import grpc
 
 from services.cli import parse_ids
 from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.router.workers import check_address
 
 
 @dataclass
@@ -39,6 +40,7 @@ class GenerateResult:
 
 def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
     """GenerateRequest from the `generate` flags; ValueError naming a bad flag."""
+    check_address(args.url, "--url")
     if args.seed is not None and not 0 <= args.seed < 1 << 64:
         raise ValueError(f"--seed: must be in [0, 2**64), got {args.seed}")
     sampling = common_pb2.SamplingParams(
@@ -112,7 +114,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def reset_prefix_cache(args: argparse.Namespace) -> int:
-    """The `pdserve reset-prefix-cache` command: prints {"num_workers", "num_blocks_cleared"}."""
+    """The `pdserve reset-prefix-cache` command: prints {"num_workers", "num_hashes_dropped"}.
+    ValueError (exit 2) for a --url that is not HOST:PORT."""
+    check_address(args.url, "--url")
     try:
         with grpc.insecure_channel(args.url) as channel:
             reply = worker_pb2_grpc.AdminStub(channel).ResetPrefixCache(
@@ -121,5 +125,5 @@ def reset_prefix_cache(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         print(f"pdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    print(json.dumps({"num_workers": reply.num_workers, "num_blocks_cleared": reply.num_blocks_cleared}), flush=True)
+    print(json.dumps({"num_workers": reply.num_workers, "num_hashes_dropped": reply.num_hashes_dropped}), flush=True)
     return 0

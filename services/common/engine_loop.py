@@ -49,6 +49,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=f"{role}-engine", daemon=True)
 
     def start(self) -> None:
+        for counter in metrics.WORKER_COUNTERS:
+            counter.labels(self.role)
         self._publish_metrics()
         self._thread.start()
 

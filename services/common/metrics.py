@@ -58,17 +58,15 @@ KV_CACHE_BYTES = Gauge("pdserve_kv_cache_bytes", "KV cache bytes by state (free,
 TOKENIZE_TIME = Histogram("pdserve_tokenize_time_seconds", "Prompt tokenization.", ["role"], buckets=LATENCY_BUCKETS)
 
 
-def start_metrics_server(host: str, port: int, role: str | None = None) -> int:
-    """Serve /metrics on host:port (port 0 picks a free one); returns the bound port.
+# A worker's counters, created at start-up so that one that has not moved yet reads 0 instead of
+# being absent (what rate() and dashboards expect); the router has none of them.
+WORKER_COUNTERS = (
+    PROMPT_TOKENS, GENERATION_TOKENS, NUM_PREEMPTIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
+    KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES,
+)
 
-    With `role`, every metric labelled by role alone gets its series now, so a counter that has
-    not moved yet reads 0 instead of being absent (what rate() and dashboards expect)."""
-    if role is not None:
-        for metric in _ROLE_METRICS:
-            metric.labels(role)
+
+def start_metrics_server(host: str, port: int) -> int:
+    """Serve /metrics on host:port (port 0 picks a free one); returns the bound port."""
     server, _ = start_http_server(port, addr=host)
     return server.server_port
-
-
-_ROLE_METRICS = [m for m in list(globals().values())
-                 if isinstance(m, (Counter, Gauge, Histogram)) and m._labelnames == ("role",)]

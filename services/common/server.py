@@ -80,7 +80,7 @@ def start_service(
     if bound == 0:
         raise RuntimeError(f"port: cannot bind {host}:{port} (in use, or not a local address)")
     server.start()
-    metrics_bound = start_metrics_server(host, metrics_port, role)
+    metrics_bound = start_metrics_server(host, metrics_port)
     return RunningService(role, server, f"{host}:{bound}", f"http://{host}:{metrics_bound}/metrics", health_servicer)
 
 

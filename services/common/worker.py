@@ -58,7 +58,7 @@ class AdminServicer(worker_pb2_grpc.AdminServicer):
 
     def ResetPrefixCache(self, request, context):
         cleared = self.loop.call(self.loop.engine.reset_prefix_cache)
-        return worker_pb2.ResetPrefixCacheResponse(num_workers=1, num_blocks_cleared=cleared)
+        return worker_pb2.ResetPrefixCacheResponse(num_workers=1, num_hashes_dropped=cleared)
 
 
 def cache_salt(value: str) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 
+from services.engine.block_hash import MAX_CACHE_SALT_BYTES
 from services.engine.config import EngineConfig, EngineRole
 from services.engine.errors import InvalidRequestError, ResourceExhaustedError
 from services.engine.kv_transfer.base import KVHandle
@@ -15,6 +16,16 @@ def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(field, f"token ids {bad[:5]} outside [0, {vocab_size})")
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    """None (no salt) or a non-empty string of at most MAX_CACHE_SALT_BYTES UTF-8 bytes."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidRequestError("cache_salt", f"must be a non-empty string or None, got {cache_salt!r:.40}")
+    if len(cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequestError("cache_salt", f"at most {MAX_CACHE_SALT_BYTES} bytes, got {len(cache_salt.encode())}")
 
 
 class RequestChecker:
@@ -49,8 +60,7 @@ class RequestChecker:
     ) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
+        check_cache_salt(cache_salt)
         if not prompt_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         if len(prompt_ids) >= self.max_model_len:

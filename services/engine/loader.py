@@ -63,15 +63,19 @@ def resolve_model(model: str) -> Path:
 
 
 def model_id(folder: Path) -> str:
-    """A stable identity of a model folder's weights, the `model_id` of its block hashes:
+    """An identity of a model folder's weights, the `model_id` in its block hashes:
     "<folder name>@<16 hex digits>". The digest covers config.json and, per weight file, its
-    name, size and first MiB (safetensors header + leading tensor data), so copies of one folder
-    on any host agree, while folders with other weights (even a same-shaped random init) differ.
-    A mismatch can only cost prefix-cache hits, never mix two models' KV."""
+    name, size, first MiB (safetensors header + leading tensors) and last MiB. Copies of one
+    folder agree on every host; a different model, even a same-shaped random init, differs.
+    It is a sample, not a checksum: two folders with the same name, config and files that
+    differ only in the middle of a weight file would collide (give them different names)."""
     digest = hashlib.sha256((folder / "config.json").read_bytes())
     for weights in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
-        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
         with weights.open("rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
             digest.update(f.read(1 << 20))
     return f"{folder.resolve().name}@{digest.hexdigest()[:16]}"
 

@@ -38,7 +38,7 @@ class RouterAdminServicer(worker_pb2_grpc.AdminServicer):
                 failed.append(f"{address} ({exc.code().name})")
                 continue
             total.num_workers += reply.num_workers
-            total.num_blocks_cleared += reply.num_blocks_cleared
+            total.num_hashes_dropped += reply.num_hashes_dropped
         if failed:
             raise ServiceUnavailableError(
                 f"prefix cache reset on {total.num_workers} workers; not on {', '.join(failed)}"

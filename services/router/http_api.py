@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import select
 import socket
 import threading
@@ -48,7 +49,9 @@ def http_error(exc: BaseException) -> tuple[int, dict]:
     status, kind = _HTTP_STATUS.get(code, (500, "server_error"))
     if status == 500:
         logger.error("internal error serving HTTP request", exc_info=exc)
-    return status, oai.error_body(details or code.name, kind, status)
+    # Every bad-input error names its field first ("temperature: must be ..."): that is `param`.
+    param = re.match(r"[\w.\[\]]+(?=: )", details or "") if status == 400 else None
+    return status, oai.error_body(details or code.name, kind, status, param and param.group())
 
 
 class _DisconnectWatcher:

@@ -170,7 +170,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidRequestError("cache_salt", "must be a non-empty string")
-    parsed.generate.cache_salt = salt or ""
+    parsed.generate.cache_salt = salt or ""  # its length is checked with the rest of the request
     if chat:
         _set_messages(parsed.generate, body.get("messages"))
     else:
@@ -253,8 +253,9 @@ def usage_chunk_body(req: OpenAIRequest, model: str, usage: generate_pb2.Usage) 
     return {**_envelope(req, model, chunk=True), "choices": [], "usage": usage_body(usage)}
 
 
-def error_body(message: str, kind: str, code: int) -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
+    """OpenAI's error object; `param` names the offending request field, when known."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def models_body(model: str, max_model_len: int) -> dict:

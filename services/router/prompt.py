@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from services.common.convert import sampling_from_proto
 from services.common.pb import generate_pb2
-from services.engine.admission import check_token_ids
+from services.engine.admission import check_cache_salt, check_token_ids
 from services.engine.errors import InvalidRequestError
 from services.engine.loader import resolve_model
 from services.engine.model_runner import resolve_max_model_len
@@ -120,6 +120,7 @@ def prepare_request(request: generate_pb2.GenerateRequest, model: ModelInfo) -> 
     if stop and model.tokenizer is None:
         raise InvalidRequestError("stop", "this model has no tokenizer, so no text to match")
     check_token_ids(list(params.stop_token_ids), model.vocab_size, "stop_token_ids")
+    check_cache_salt(request.cache_salt or None)  # proto3: empty means no salt
     prompt_ids = tokenize_prompt(request, model)
     if not prompt_ids:
         raise InvalidRequestError("prompt", "must not be empty")

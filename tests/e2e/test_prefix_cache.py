@@ -84,7 +84,7 @@ def test_cached_tokens_follow_up_turn_salt_reset_and_exact_metrics(cluster, defa
                            cluster.router.ready["grpc"]], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     reply = json.loads(done.stdout)
-    assert reply["num_workers"] == 2 and reply["num_blocks_cleared"] > 0
+    assert reply["num_workers"] == 2 and reply["num_hashes_dropped"] > 0
     assert all(worker_info(getattr(cluster, r).ready["grpc"], r).num_cached_blocks == 0 for r in ("prefill", "decode"))
     after_reset, cached = _generate(cluster.stub, prompt, 30)
     assert (after_reset, cached) == (first, 0)

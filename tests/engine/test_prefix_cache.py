@@ -8,8 +8,11 @@ import os
 import subprocess
 import sys
 
-from services.engine import EngineRole, SamplingParams
+import pytest
+
+from services.engine import EngineRole, SamplingParams, block_hash
 from services.engine.block_hash import ROOT_HASH, block_hashes
+from services.engine.errors import InvalidRequestError
 from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from services.engine.kv_transfer import InMemoryKVTransfer
 from tests.engine.helpers import GREEDY, make_engine
@@ -110,7 +113,7 @@ def test_prompts_sharing_all_but_their_last_block_never_share_it(tiny_llama):
     assert outs == {"first": out_first, "second": out_second}
 
 
-def test_same_prefix_different_salt_or_model_shares_nothing(tiny_llama, tmp_path):
+def test_same_prefix_different_salt_or_model_shares_nothing(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=64)
     prompt = list(range(2, 2 + 2 * BLOCK + 1))
     _run(engine, prompt, request_id="a", cache_salt="tenant-a")
@@ -118,6 +121,15 @@ def test_same_prefix_different_salt_or_model_shares_nothing(tiny_llama, tmp_path
     assert _run(engine, prompt, request_id="c", cache_salt="tenant-a")[1] == 2 * BLOCK
     assert _run(engine, prompt, request_id="d")[1] == 0
     assert block_hashes(prompt, BLOCK, "other-model@0") != block_hashes(prompt, BLOCK, engine.model_id)
+    for bad in ("", 5, "x" * 1025):
+        with pytest.raises(InvalidRequestError, match="cache_salt"):
+            engine.add_request(prompt, SamplingParams(), cache_salt=bad)
+
+
+def test_a_long_salt_is_hashed_once_per_call_not_once_per_block(tiny_llama, monkeypatch):
+    calls = []
+    monkeypatch.setattr(block_hash, "extra_key", lambda *a: calls.append(a) or b"k" * 32)
+    assert len(block_hash.block_hashes(list(range(160)), BLOCK, "m", "s" * 1000)) == 10 and len(calls) == 1
 
 
 def test_events_tell_exactly_which_hashes_the_cache_holds(tiny_llama):

@@ -259,7 +259,7 @@ class FakePrefill(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.KVTransferSer
         return worker_pb2.ReleaseKVResponse(released=True)
 
     def ResetPrefixCache(self, request, context):  # noqa: N802
-        return worker_pb2.ResetPrefixCacheResponse(num_workers=1, num_blocks_cleared=7)
+        return worker_pb2.ResetPrefixCacheResponse(num_workers=1, num_hashes_dropped=7)
 
 
 class FakeDecode(worker_pb2_grpc.DecodeServicer):
@@ -639,13 +639,14 @@ def test_http_chat_completion_uses_the_chat_template(cluster, model_info, tokeni
         ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
         ("/v1/completions", {"prompt": PROMPT, "cache_salt": 5}, "cache_salt"),
         ("/v1/completions", {"prompt": PROMPT, "cache_salt": ""}, "cache_salt"),
+        ("/v1/completions", {"prompt": PROMPT, "cache_salt": "s" * 1025}, "cache_salt"),
     ],
 )
 def test_http_bad_input_is_400_naming_the_field(cluster, path, payload, field):
     status, data = _post(cluster[0].http.url + path, payload)
     error = json.loads(data)["error"]
     assert status == 400 and error["type"] == "invalid_request_error"
-    assert error["message"].startswith(f"{field}:")
+    assert error["message"].startswith(f"{field}:") and error["param"] == field
 
 
 def test_http_overload_is_429(cluster):

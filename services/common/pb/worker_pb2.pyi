@@ -66,12 +66,12 @@ class ResetPrefixCacheRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ResetPrefixCacheResponse(_message.Message):
-    __slots__ = ("num_workers", "num_blocks_cleared")
+    __slots__ = ("num_workers", "num_hashes_dropped")
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    NUM_HASHES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     num_workers: int
-    num_blocks_cleared: int
-    def __init__(self, num_workers: _Optional[int] = ..., num_blocks_cleared: _Optional[int] = ...) -> None: ...
+    num_hashes_dropped: int
+    def __init__(self, num_workers: _Optional[int] = ..., num_hashes_dropped: _Optional[int] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
     __slots__ = ("handle", "first_block")
