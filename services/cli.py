@@ -111,9 +111,12 @@ def _add_worker(worker: argparse.ArgumentParser, role: str) -> None:
                         help="torch intra-op threads (default: the number of --cpus, else torch's)")
     worker.add_argument("--cpus", default=None, help="CPU affinity, e.g. 0,1 or 0-3")
     worker.add_argument("--engine-id", default=None, help="this engine's id (default: generated)")
+    worker.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM: seconds to finish in-flight requests (new ones are refused)")
     if role == "prefill":
         worker.add_argument("--kv-lease-seconds", type=float, default=30.0,
                             help="how long a request's prompt KV stays pinned for its decode worker")
+        _add_redis_flags(worker)
     else:
         worker.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                             help="seconds to pull one request's prompt KV")
@@ -128,9 +131,23 @@ def _add_router(router: argparse.ArgumentParser) -> None:
     router.add_argument("--decode", action="append", required=True, metavar="HOST:PORT",
                         help="a decode worker (repeat for each)")
     router.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    _add_routing_flags(router)
     router.add_argument("--http-port", type=int, default=None, help="also serve OpenAI-compatible HTTP")
     router.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output in tokens (default: the model's)")
+
+
+def _add_redis_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", default=None,
+                        help="prefix index in Redis, e.g. redis://127.0.0.1:6379/0 (default: in-process)")
+    parser.add_argument("--index-ttl", type=float, default=10.0,
+                        help="seconds a prefill worker stays in the prefix index without a heartbeat")
+
+
+def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--routing", default="kv", choices=["kv", "least_loaded", "round_robin"],
+                        help="kv: prefix-cache overlap against load; least_loaded; round_robin")
+    _add_redis_flags(parser)
 
 
 def _add_serve(serve: argparse.ArgumentParser) -> None:
@@ -146,6 +163,7 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     for role in ("prefill", "decode"):
         serve.add_argument(f"--{role}-threads", type=int, default=None, help=f"--threads of each {role} worker")
         serve.add_argument(f"--{role}-cpus", default=None, help=f"--cpus of each {role} worker, e.g. 0-3")
+    _add_routing_flags(serve)
     serve.add_argument("--kv-lease-seconds", type=float, default=30.0)
     serve.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     serve.add_argument("--request-timeout", type=float, default=300.0)

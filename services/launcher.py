@@ -79,7 +79,8 @@ def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
     if not args.enable_prefix_caching:
         argv.append("--no-enable-prefix-caching")
     if role == "prefill":
-        return argv + _flags(kv_lease_seconds=args.kv_lease_seconds)
+        return argv + _flags(kv_lease_seconds=args.kv_lease_seconds, redis_url=args.redis_url,
+                             index_ttl=args.index_ttl)
     return argv + _flags(kv_transfer_timeout=args.kv_transfer_timeout)
 
 
@@ -89,6 +90,7 @@ def router_argv(args: argparse.Namespace, prefill: list[str], decode: list[str])
     argv += _flags(
         model=args.model, host=args.host, port=args.port, metrics_port=args.metrics_port,
         request_timeout=args.request_timeout, http_port=args.http_port, max_model_len=args.max_model_len,
+        routing=args.routing, redis_url=args.redis_url, index_ttl=args.index_ttl,
     )
     for address in prefill:
         argv += ["--prefill", address]

@@ -78,3 +78,14 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real Redis server (see tests/redis_server.py), stopped at the end of the session."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()

@@ -54,6 +54,9 @@ REQUEST_PROMPT_TOKENS = Histogram(
 REQUEST_GENERATION_TOKENS = Histogram(
     "pdserve_request_generation_tokens", "Generated tokens per finished request.", ["role"], buckets=TOKEN_BUCKETS
 )
+WORKER_HEALTHY = Gauge(
+    "pdserve_worker_healthy", "1 while a worker passes the router's health checks, else 0.", ["role", "worker"]
+)
 KV_CACHE_BYTES = Gauge("pdserve_kv_cache_bytes", "KV cache bytes by state (free, used, pinned).", ["role", "state"])
 TOKENIZE_TIME = Histogram("pdserve_tokenize_time_seconds", "Prompt tokenization.", ["role"], buckets=LATENCY_BUCKETS)
 

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
@@ -84,13 +85,26 @@ def start_service(
     return RunningService(role, server, f"{host}:{bound}", f"http://{host}:{metrics_bound}/metrics", health_servicer)
 
 
-def wait_for_termination(service: RunningService, on_stop: Callable[[], None] | None = None, grace: float = 5.0) -> None:
-    """Block until SIGINT/SIGTERM, then mark NOT_SERVING, stop accepting, and run `on_stop`."""
+def wait_for_termination(
+    service: RunningService, on_stop: Callable[[], None] | None = None, grace: float = 5.0,
+    draining: threading.Event | None = None, drained: Callable[[], bool] | None = None, drain_timeout: float = 0.0,
+) -> None:
+    """Block until SIGINT/SIGTERM, then drain and stop.
+
+    Draining: health turns NOT_SERVING (routers stop sending work), `draining` is set (servicers
+    refuse new requests with UNAVAILABLE), and the server keeps serving what it has (streams,
+    KV pulls) until `drained()` is true or `drain_timeout` seconds pass. Then it stops accepting,
+    gives calls `grace` seconds, and runs `on_stop`."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    if draining is not None:
+        draining.set()
     service.health.enter_graceful_shutdown()
+    deadline = time.monotonic() + drain_timeout
+    while drained is not None and time.monotonic() < deadline and not drained():
+        time.sleep(0.1)
     service.server.stop(grace).wait()
     if on_stop is not None:
         on_stop()

@@ -26,7 +26,8 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
         max_model_len=args.max_model_len, num_blocks=args.num_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=getattr(args, "enable_prefix_caching", True), **optional,
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+        enable_kv_events=bool(getattr(args, "redis_url", None)), **optional,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import threading
 
 from services.common.convert import handle_from_proto, logprobs_to_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop, ShuttingDownError
@@ -29,8 +30,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     def __init__(self, loop: EngineLoop, transfer: GrpcKVTransfer) -> None:
         self.loop = loop
         self.transfer = transfer
+        self.draining = threading.Event()  # set on SIGTERM: new requests are refused
+        self.num_streams = 0  # Decode calls in progress
+        self._lock = threading.Lock()
 
     def Decode(self, request, context):
+        if self.draining.is_set():
+            raise ServiceUnavailableError("this decode worker is draining (SIGTERM): send the request elsewhere")
+        with self._lock:
+            self.num_streams += 1
+        try:
+            yield from self._decode(request, context)
+        finally:
+            with self._lock:
+                self.num_streams -= 1
+
+    def _decode(self, request, context):
         if not request.request_id or not request.HasField("kv_handle"):
             raise InvalidRequestError("kv_handle", "a decode request needs request_id and the prefill's kv_handle")
         handle, source = handle_from_proto(request.kv_handle)
@@ -75,12 +90,14 @@ def serve(args: argparse.Namespace) -> None:
     transfer = GrpcKVTransfer("decode", timeout_s=args.kv_transfer_timeout, zero_block=args.debug_zero_kv_block)
     engine = Engine(engine_config(args, EngineRole.DECODE), transfer)
     loop = EngineLoop(engine, "decode")
+    decode = DecodeServicer(loop, transfer)
     service = start_service(
-        "decode", [(worker_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(loop, transfer), "pdserve.v1.Decode"),
+        "decode", [(worker_pb2_grpc.add_DecodeServicer_to_server, decode, "pdserve.v1.Decode"),
                    (worker_pb2_grpc.add_AdminServicer_to_server, AdminServicer(loop), "pdserve.v1.Admin")],
         args.host, args.port, args.metrics_port,
         max_workers=args.max_num_seqs + 64,  # every running request holds one streaming RPC
     )
     loop.start()
     print(service.ready_line(engine_id=engine.config.engine_id), flush=True)
-    wait_for_termination(service, on_stop=loop.stop)
+    wait_for_termination(service, on_stop=loop.stop, draining=decode.draining,
+                         drained=lambda: decode.num_streams == 0, drain_timeout=args.drain_timeout)

@@ -150,6 +150,10 @@ class BlockPool:
             tuple(token_ids[first * block_size : (last + 1) * block_size]), block_size,
         ))
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the prefix cache holds now (of cached and of in-use blocks)."""
+        return list(self._cached)
+
     def evict(self, block_id: int) -> bool:
         """Drop the hash of an unreferenced cached block and make it free; False (nothing done)
         if the block is not cached or is in use."""

@@ -25,6 +25,7 @@ from services.engine.errors import (
     RequestNotFoundError,
 )
 from services.engine.kv_cache import KVCache
+from services.engine.block_hash import BlockHash
 from services.engine.kv_events import KVEvent
 from services.engine.kv_transfer.base import KVHandle, KVSource, KVTransfer
 from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
@@ -238,6 +239,10 @@ class Engine(KVSource):
         """Forget every cached prefix (for operators and tests); running requests keep their
         blocks. Returns how many block hashes were dropped."""
         return self.kv_cache.pool.reset_prefix_cache()
+
+    def prefix_cache_hashes(self) -> list[BlockHash]:
+        """Every block hash the prefix cache holds now (a snapshot for an external index)."""
+        return self.kv_cache.pool.cached_hashes()
 
     def take_kv_events(self) -> list[KVEvent]:
         """Prefix-cache events since the last call, oldest first (empty unless

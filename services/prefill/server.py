@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 import uuid
 
 from services.common.convert import handle_to_proto, logprobs_to_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop
+from services.common.errors import ServiceUnavailableError
+from services.common.kv_publisher import KVEventPublisher
+from services.common.prefix_index import make_prefix_index
 from services.common.kv_transfer_grpc import GrpcKVTransfer, KVTransferServicer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import start_service, wait_for_termination
@@ -27,10 +31,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     def __init__(self, loop: EngineLoop, leases: PinLeases) -> None:
         self.loop = loop
         self.leases = leases
+        self.draining = threading.Event()  # set on SIGTERM: new requests are refused
         self.kv_address = ""  # HOST:PORT of this process's KVTransfer service, set once bound
 
     def Prefill(self, request, context):
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        if self.draining.is_set():
+            raise ServiceUnavailableError("this prefill worker is draining (SIGTERM): send the request elsewhere")
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids", "must not be empty")
         params = sampling_from_proto(request.sampling)
@@ -79,5 +86,20 @@ def serve(args: argparse.Namespace) -> None:
     )
     prefill.kv_address = service.grpc_address
     loop.start()
+    publisher = None
+    if args.redis_url:  # exact prefix index: this worker's cache events, under its address
+        index = make_prefix_index(args.redis_url, engine.model_id, engine.config.block_size, args.index_ttl)
+        publisher = KVEventPublisher(loop, index, service.grpc_address, heartbeat_s=args.index_ttl / 3)
+        publisher.start()
+
+    def stop() -> None:
+        if publisher is not None:
+            publisher.stop()
+        loop.stop()
+
     print(service.ready_line(engine_id=engine.config.engine_id), flush=True)
-    wait_for_termination(service, on_stop=loop.stop)
+    def drained() -> bool:  # nothing running, nothing pinned for a decode worker to pull
+        return loop.call(lambda: not engine.has_unfinished_requests() and not engine.pinned)
+
+    wait_for_termination(service, on_stop=stop, draining=prefill.draining, drained=drained,
+                         drain_timeout=args.drain_timeout)

@@ -28,6 +28,7 @@ from services.engine.errors import ResourceExhaustedError
 from services.common.pb import common_pb2, generate_pb2, worker_pb2
 from services.router.cancel import CancelScope, RequestCancelledError
 from services.router.prompt import ModelInfo, PreparedRequest, prepare_request
+from services.router.routing import Routing
 from services.router.stats import RequestStats
 from services.router.text_stream import TextDelta, TextStream
 from services.router.workers import WorkerPool
@@ -50,13 +51,15 @@ class GenerateFlow:
     """
 
     def __init__(
-        self, model: ModelInfo, pool: WorkerPool, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
+        self, model: ModelInfo, pool: WorkerPool, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        routing: Routing | None = None,
     ) -> None:
         if not request_timeout > 0:
             raise ValueError(f"request_timeout: must be > 0 seconds, got {request_timeout!r}")
         self.model = model
         self.pool = pool
         self.request_timeout = request_timeout
+        self.routing = routing if routing is not None else Routing(pool, "round_robin")
 
     def deadline_for(self, time_remaining: float | None) -> float:
         """Absolute `time.monotonic()` deadline for a client with `time_remaining` seconds left
@@ -156,8 +159,28 @@ class _RequestRun:
         return prepared
 
     def _prefill(self, prepared: PreparedRequest) -> worker_pb2.PrefillResponse:
-        """Runs the Prefill RPC on a picked worker; cancellable through the scope."""
-        self.prefill_address = self.flow.pool.pick_prefill()
+        """Runs the Prefill RPC on a picked worker; cancellable through the scope. A worker that
+        answers UNAVAILABLE (dead, or draining) is marked unhealthy and the call goes once to
+        another healthy worker, if there is one."""
+        routing, num_prompt = self.flow.routing, len(prepared.prompt_token_ids)
+        for attempt in (1, 2):
+            self.prefill_address, _ = routing.pick_prefill(prepared.prompt_token_ids, prepared.cache_salt)
+            try:
+                response = self._call_prefill(prepared)
+            except grpc.RpcError as exc:
+                if attempt == 2 or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                self.flow.pool.mark_unhealthy(self.prefill_address)
+                if len(self.flow.pool.healthy_prefill()) == 0:
+                    raise
+                continue
+            finally:
+                routing.prefill_done(self.prefill_address, num_prompt)
+            routing.learn_routed(self.prefill_address, prepared.prompt_token_ids, prepared.cache_salt)
+            return response
+        raise AssertionError("unreachable")
+
+    def _call_prefill(self, prepared: PreparedRequest) -> worker_pb2.PrefillResponse:
         stub = self.flow.pool.prefill_stub(self.prefill_address)
         message = worker_pb2.PrefillRequest(
             request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
@@ -186,7 +209,16 @@ class _RequestRun:
         self, prepared: PreparedRequest, handle: common_pb2.KVHandle, text: TextStream
     ) -> Iterator[generate_pb2.GenerateResponse]:
         """Streams the Decode RPC's tokens through `text` until a finish_reason or stop string."""
-        stub = self.flow.pool.decode_stub(self.flow.pool.pick_decode())
+        address = self.flow.routing.pick_decode()
+        try:
+            yield from self._stream_decode(prepared, handle, text, address)
+        finally:
+            self.flow.routing.decode_done(address)
+
+    def _stream_decode(
+        self, prepared: PreparedRequest, handle: common_pb2.KVHandle, text: TextStream, address: str
+    ) -> Iterator[generate_pb2.GenerateResponse]:
+        stub = self.flow.pool.decode_stub(address)
         message = worker_pb2.DecodeRequest(
             request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
             sampling=sampling_to_proto(prepared.params), kv_handle=handle, cache_salt=prepared.cache_salt,

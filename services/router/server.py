@@ -19,6 +19,7 @@ from services.router.cancel import CancelScope
 from services.router.generate import DEFAULT_REQUEST_TIMEOUT_S, GenerateFlow
 from services.router.http_api import HttpApi
 from services.router.prompt import ModelInfo
+from services.router.routing import Routing
 from services.router.workers import WorkerPool
 
 ROUTER_MAX_STREAMS = 1024  # concurrent Generate streams (one thread each)
@@ -72,8 +73,10 @@ def build_flow(args: argparse.Namespace) -> GenerateFlow:
     """Model info, worker pool and flow from `args` (see `serve`). ValueError names a bad field."""
     model = ModelInfo.load(args.model, getattr(args, "max_model_len", None))
     pool = WorkerPool(args.prefill or [], args.decode or [])
+    routing = Routing(pool, getattr(args, "routing", "kv"), getattr(args, "redis_url", None),
+                      getattr(args, "index_ttl", 10.0))
     timeout = getattr(args, "request_timeout", None)
-    return GenerateFlow(model, pool, DEFAULT_REQUEST_TIMEOUT_S if timeout is None else timeout)
+    return GenerateFlow(model, pool, DEFAULT_REQUEST_TIMEOUT_S if timeout is None else timeout, routing)
 
 
 def start_router(args: argparse.Namespace) -> RunningRouter:
@@ -82,6 +85,7 @@ def start_router(args: argparse.Namespace) -> RunningRouter:
     Raises ValueError for bad arguments, RuntimeError / OSError when a port cannot be bound.
     """
     flow = build_flow(args)
+    flow.pool.start_health_checks()
     servicer = GenerationServicer(flow)
     service = start_service(
         "router", [(generate_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME),

@@ -1,18 +1,24 @@
-"""The router's view of its workers: prefill and decode addresses, cached channels, round-robin.
+"""The router's view of its workers: addresses, cached channels, health, and what GetInfo says.
 
-Health checks and load-aware picks come later; this pool spreads requests evenly and knows how
-many tokens of KV the largest decode worker can hold for one request.
+Membership is the static list of `--prefill` / `--decode` addresses. `start_health_checks()`
+runs a thread that asks every worker's standard gRPC health service (`grpc.health.v1.Health`,
+service "") every `interval_s` seconds: a worker that does not answer SERVING within
+`timeout_s` (dead, or draining after SIGTERM) gets no new requests until it answers again. The
+same thread reads each decode worker's free KV blocks (GetInfo) for the routing policy.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Iterable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import metrics
 from services.common.errors import ServiceUnavailableError
 from services.common.pb import common_pb2, worker_pb2_grpc
 from services.common.server import GRPC_OPTIONS
@@ -20,6 +26,9 @@ from services.common.server import GRPC_OPTIONS
 
 CAPACITY_TIMEOUT_S = 5.0
 CAPACITY_RETRY_S = 10.0
+HEALTH_INTERVAL_S = 0.5
+HEALTH_TIMEOUT_S = 1.0
+logger = logging.getLogger(__name__)
 
 
 def check_address(address: str, field: str) -> str:
@@ -33,8 +42,8 @@ def check_address(address: str, field: str) -> str:
 class WorkerPool:
     """Prefill and decode worker addresses (HOST:PORT) with one cached gRPC channel each.
 
-    `pick_prefill()` / `pick_decode()` cycle through their list; they raise
-    ServiceUnavailableError when the list is empty. Channels (and stubs) are created on first
+    `healthy_prefill()` / `healthy_decode()` list the workers to route to (ServiceUnavailableError
+    when none); `services.router.routing` picks among them. Channels (and stubs) are created on first
     use and shared by every request: gRPC multiplexes concurrent calls over one connection.
     Thread-safe.
     """
@@ -48,20 +57,99 @@ class WorkerPool:
         self._channels: dict[str, grpc.Channel] = {}
         self._capacity: dict[str, int] = {}  # address -> tokens of KV one request can hold there
         self._capacity_retry_at: dict[str, float] = {}  # address -> when to ask again after a failure
+        self.unhealthy: set[str] = set()  # addresses whose last health check failed
+        self._free_blocks: dict[str, int] = {}  # decode address -> free KV blocks at the last check
+        self._layout: tuple[str, int] | None = None  # (model_id, block_size) of the prefill workers
+        self._stop = threading.Event()
+        self._health_thread: threading.Thread | None = None
 
-    def pick_prefill(self) -> str:
-        """The next prefill worker's address, round-robin."""
-        if not self.prefill:
-            raise ServiceUnavailableError("no prefill workers configured")
-        with self._lock:
-            return next(self._prefill_cycle)
+    # -- health --------------------------------------------------------------------------------
 
-    def pick_decode(self) -> str:
-        """The next decode worker's address, round-robin."""
-        if not self.decode:
-            raise ServiceUnavailableError("no decode workers configured")
+    def start_health_checks(self, interval_s: float = HEALTH_INTERVAL_S, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+        """Check every worker now, then every `interval_s` seconds on a daemon thread."""
+        self._check_all(timeout_s)
+        self._health_thread = threading.Thread(
+            target=self._health_loop, args=(interval_s, timeout_s), name="router-health", daemon=True
+        )
+        self._health_thread.start()
+
+    def _health_loop(self, interval_s: float, timeout_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self._check_all(timeout_s)
+
+    def _check_all(self, timeout_s: float) -> None:
+        for address in dict.fromkeys([*self.prefill, *self.decode]):
+            healthy = self._serving(address, timeout_s)
+            if healthy and address in self.decode:
+                try:  # for routing only: health is the health service's answer
+                    info = self.decode_stub(address).GetInfo(common_pb2.InfoRequest(), timeout=timeout_s)
+                    self._free_blocks[address] = info.num_free_blocks
+                except grpc.RpcError:
+                    self._free_blocks.pop(address, None)
+            metrics.WORKER_HEALTHY.labels("router", address).set(1 if healthy else 0)
+            with self._lock:
+                if healthy and address in self.unhealthy:
+                    logger.info("worker %s is healthy again", address)
+                    self.unhealthy.discard(address)
+                elif not healthy and address not in self.unhealthy:
+                    logger.warning("worker %s is unhealthy: no new requests go there", address)
+                    self.unhealthy.add(address)
+
+    def _serving(self, address: str, timeout_s: float) -> bool:
+        try:
+            reply = health_pb2_grpc.HealthStub(self.channel(address)).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def mark_unhealthy(self, address: str) -> None:
+        """A call found the worker down: skip it until its next health check passes."""
+        metrics.WORKER_HEALTHY.labels("router", address).set(0)
         with self._lock:
-            return next(self._decode_cycle)
+            self.unhealthy.add(address)
+
+    def healthy_prefill(self) -> list[str]:
+        """Prefill workers that passed their last check; ServiceUnavailableError if none."""
+        return self._healthy(self.prefill, "prefill")
+
+    def healthy_decode(self) -> list[str]:
+        return self._healthy(self.decode, "decode")
+
+    def _healthy(self, addresses: list[str], role: str) -> list[str]:
+        if not addresses:
+            raise ServiceUnavailableError(f"no {role} workers configured")
+        with self._lock:
+            healthy = [a for a in addresses if a not in self.unhealthy]
+        if not healthy:
+            raise ServiceUnavailableError(f"no healthy {role} worker (of {len(addresses)})")
+        return healthy
+
+    def next_prefill(self, candidates: list[str]) -> str:
+        """Round-robin over the configured list, skipping workers not in `candidates`."""
+        with self._lock:
+            return next(a for a in self._prefill_cycle if a in candidates)
+
+    def next_decode(self, candidates: list[str]) -> str:
+        with self._lock:
+            return next(a for a in self._decode_cycle if a in candidates)
+
+    def decode_free_blocks(self) -> dict[str, int]:
+        return dict(self._free_blocks)
+
+    def prefill_layout(self) -> tuple[str, int] | None:
+        """(model_id, block_size) the prefill workers hash blocks with (GetInfo, asked once);
+        None while no prefill worker answers."""
+        if self._layout is None:
+            for address in self.prefill:
+                try:
+                    info = self.prefill_stub(address).GetInfo(common_pb2.InfoRequest(), timeout=CAPACITY_TIMEOUT_S)
+                except grpc.RpcError:
+                    continue
+                self._layout = (info.model_id, info.kv_layout.block_size)
+                break
+        return self._layout
 
     def channel(self, address: str) -> grpc.Channel:
         """The cached insecure channel to `address` (created on first use; any HOST:PORT)."""
@@ -102,7 +190,9 @@ class WorkerPool:
         return self._capacity[address]
 
     def close(self) -> None:
-        """Closes every cached channel (in-flight calls on them fail with CANCELLED)."""
+        """Stops health checks and closes every cached channel (in-flight calls on them fail
+        with CANCELLED)."""
+        self._stop.set()
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}
         for channel in channels:

@@ -31,6 +31,7 @@ from services.router.generate import GenerateFlow
 from services.router.prompt import ModelInfo, prepare_request
 from services.router.server import start_router
 from services.router.stop import StopStringMatcher, first_stop_match
+from services.router.routing import Routing
 from services.router.workers import WorkerPool
 
 PROMPT = "Hello world"
@@ -194,19 +195,44 @@ def test_text_and_chat_tokenize_like_the_tokenizer(model_info):
 # ---------------------------------------------------------------- worker pool
 
 
-def test_round_robin_picks_and_empty_pools():
+def test_round_robin_picks_skip_unhealthy_workers_and_empty_pools():
     pool = WorkerPool(["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:3"])
-    assert [pool.pick_prefill() for _ in range(5)] == ["127.0.0.1:1", "127.0.0.1:2"] * 2 + ["127.0.0.1:1"]
-    assert [pool.pick_decode() for _ in range(2)] == ["127.0.0.1:3"] * 2
+    routing = Routing(pool, "round_robin")
+    picks = [routing.pick_prefill([5, 6])[0] for _ in range(5)]
+    assert picks == ["127.0.0.1:1", "127.0.0.1:2"] * 2 + ["127.0.0.1:1"]
+    assert [routing.pick_decode() for _ in range(2)] == ["127.0.0.1:3"] * 2
+    pool.unhealthy.add("127.0.0.1:2")
+    assert {routing.pick_prefill([5])[0] for _ in range(3)} == {"127.0.0.1:1"}
+    pool.unhealthy.add("127.0.0.1:1")
+    with pytest.raises(ServiceUnavailableError, match="no healthy prefill"):
+        routing.pick_prefill([5])
     assert pool.channel("127.0.0.1:1") is pool.channel("127.0.0.1:1")
     pool.close()
-    empty = WorkerPool([], [])
+    empty = Routing(WorkerPool([], []), "round_robin")
     with pytest.raises(ServiceUnavailableError):
-        empty.pick_prefill()
+        empty.pick_prefill([5])
     with pytest.raises(ServiceUnavailableError):
         empty.pick_decode()
     with pytest.raises(ValueError, match="^decode:"):
         WorkerPool(["127.0.0.1:1"], ["nohost"])
+    with pytest.raises(ValueError, match="^routing:"):
+        Routing(WorkerPool([], []), "random")
+
+
+def test_least_loaded_counts_queued_prompt_tokens_and_decode_streams():
+    pool = WorkerPool(["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:3", "127.0.0.1:4"])
+    routing = Routing(pool, "least_loaded")
+    first, _ = routing.pick_prefill(list(range(100)))
+    second, _ = routing.pick_prefill(list(range(10)))
+    third, _ = routing.pick_prefill(list(range(10)))
+    assert second != first and third == second  # 10 + 10 queued there is still less than 100
+    routing.prefill_done(first, 100)
+    assert routing.pick_prefill([1])[0] == first
+    a, b = routing.pick_decode(), routing.pick_decode()
+    assert {a, b} == {"127.0.0.1:3", "127.0.0.1:4"}
+    routing.decode_done(a)
+    assert routing.pick_decode() == a
+    pool.close()
 
 
 def test_flow_without_workers_is_unavailable(model_info):
