@@ -3,5 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+# Redis tests start their own redis-server on a free port; install the Debian package if this
+# machine has none (and no server on 127.0.0.1:6379 to fall back on).
+if ! command -v redis-server >/dev/null && ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get install -y -q redis-server >/dev/null || echo "warning: could not install redis-server" >&2
+    else
+        echo "warning: no redis-server and nothing on 127.0.0.1:6379: the Redis tests will fail" >&2
+    fi
+fi
 . .venv/bin/activate
 python -m pytest -q "$@"

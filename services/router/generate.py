@@ -171,8 +171,8 @@ class _RequestRun:
                 if attempt == 2 or exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 self.flow.pool.mark_unhealthy(self.prefill_address)
-                if len(self.flow.pool.healthy_prefill()) == 0:
-                    raise
+                if self.flow.pool.healthy_prefill() == [self.prefill_address]:
+                    raise  # no other worker to try
                 continue
             finally:
                 routing.prefill_done(self.prefill_address, num_prompt)

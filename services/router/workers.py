@@ -2,9 +2,11 @@
 
 Membership is the static list of `--prefill` / `--decode` addresses. `start_health_checks()`
 runs a thread that asks every worker's standard gRPC health service (`grpc.health.v1.Health`,
-service "") every `interval_s` seconds: a worker that does not answer SERVING within
-`timeout_s` (dead, or draining after SIGTERM) gets no new requests until it answers again. The
-same thread reads each decode worker's free KV blocks (GetInfo) for the routing policy.
+service "") every `interval_s` seconds: a worker that fails HEALTH_FAILURES checks in a row (no
+SERVING answer within `timeout_s`: dead, hung, or draining after SIGTERM) gets no new requests
+until it answers again. If every worker of a role is out, requests go to all of them anyway
+(fail open: the call itself then says what is wrong). The same thread reads each decode worker's
+free KV blocks (GetInfo) for the routing policy.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ CAPACITY_TIMEOUT_S = 5.0
 CAPACITY_RETRY_S = 10.0
 HEALTH_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
+HEALTH_FAILURES = 2  # consecutive failed checks before a worker is taken out (one slow answer is not enough)
 logger = logging.getLogger(__name__)
 
 
@@ -57,7 +60,8 @@ class WorkerPool:
         self._channels: dict[str, grpc.Channel] = {}
         self._capacity: dict[str, int] = {}  # address -> tokens of KV one request can hold there
         self._capacity_retry_at: dict[str, float] = {}  # address -> when to ask again after a failure
-        self.unhealthy: set[str] = set()  # addresses whose last health check failed
+        self.unhealthy: set[str] = set()  # addresses taken out of routing
+        self._failures: dict[str, int] = {}  # address -> consecutive failed health checks
         self._free_blocks: dict[str, int] = {}  # decode address -> free KV blocks at the last check
         self._layout: tuple[str, int] | None = None  # (model_id, block_size) of the prefill workers
         self._stop = threading.Event()
@@ -86,6 +90,9 @@ class WorkerPool:
                     self._free_blocks[address] = info.num_free_blocks
                 except grpc.RpcError:
                     self._free_blocks.pop(address, None)
+            with self._lock:
+                self._failures[address] = 0 if healthy else self._failures.get(address, 0) + 1
+                healthy = healthy or (self._failures[address] < HEALTH_FAILURES and address not in self.unhealthy)
             metrics.WORKER_HEALTHY.labels("router", address).set(1 if healthy else 0)
             with self._lock:
                 if healthy and address in self.unhealthy:
@@ -122,9 +129,7 @@ class WorkerPool:
             raise ServiceUnavailableError(f"no {role} workers configured")
         with self._lock:
             healthy = [a for a in addresses if a not in self.unhealthy]
-        if not healthy:
-            raise ServiceUnavailableError(f"no healthy {role} worker (of {len(addresses)})")
-        return healthy
+        return healthy or list(addresses)  # fail open: the call will say what is wrong
 
     def next_prefill(self, candidates: list[str]) -> str:
         """Round-robin over the configured list, skipping workers not in `candidates`."""
