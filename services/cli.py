@@ -141,7 +141,7 @@ def _add_redis_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=None,
                         help="prefix index in Redis, e.g. redis://127.0.0.1:6379/0 (default: in-process)")
     parser.add_argument("--index-ttl", type=float, default=10.0,
-                        help="seconds a prefill worker stays in the prefix index without a heartbeat")
+                        help="seconds (> 0) a prefill worker stays in the prefix index without a heartbeat")
 
 
 def _add_routing_flags(parser: argparse.ArgumentParser) -> None:

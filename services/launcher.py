@@ -110,8 +110,9 @@ def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
             raise ValueError(f"--{role}-threads: must be >= 1, got {threads}")
         if cpus is not None:
             parse_cpu_list(cpus, flag=f"--{role}-cpus")
-    if args.start_timeout <= 0:
-        raise ValueError(f"--start-timeout: must be > 0, got {args.start_timeout}")
+    for flag in ("start_timeout", "index_ttl"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag)}")
     workers = [ChildSpec(f"prefill-{i}", "prefill", worker_argv(args, "prefill")) for i in range(args.num_prefill)]
     workers += [ChildSpec(f"decode-{i}", "decode", worker_argv(args, "decode")) for i in range(args.num_decode)]
     return ClusterSpec(

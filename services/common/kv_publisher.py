@@ -1,9 +1,10 @@
 """Worker side of the prefix index: publish the engine's prefix-cache events, and heartbeat.
 
 The engine thread only moves events into a queue (an EngineLoop idle hook, after every step);
-a publisher thread sends them, so a slow or dead Redis never stalls the engine. After any
-failure (and at start-up, to clear what a previous process left under the same address) the
-publisher sends a full snapshot of the cache's hashes in place of the events it missed.
+a publisher thread sends them, so a slow or dead Redis never stalls the engine. The publisher
+sends a full snapshot of the cache's hashes in place of the events it may have missed: at
+start-up (clearing what a previous process left under the same address), after any failed call,
+and when a heartbeat finds its entries gone (Redis restarted or flushed between two calls).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class KVEventPublisher:
 
     def stop(self) -> None:
         self._stopped.set()
+        self._events.put([])  # wakes the thread at once
         self._thread.join(timeout=5)
         self.index.close()
 
@@ -56,25 +58,27 @@ class KVEventPublisher:
         return self.loop.engine.prefix_cache_hashes()
 
     def _run(self) -> None:
-        in_sync = False
+        in_sync, outage = False, False
         while not self._stopped.is_set():
             try:
                 if not in_sync:
                     self.index.replace(self.worker, self.loop.call(self._snapshot))
                     in_sync = True
-                    logger.info("prefix index in sync for %s", self.worker)
+                    if outage:
+                        logger.warning("prefix index reachable again: %s sent a snapshot", self.worker)
+                    outage = False
                 try:
                     batch = self._events.get(timeout=self.heartbeat_s)
                 except queue.Empty:
-                    self.index.heartbeat(self.worker)
+                    in_sync = self.index.heartbeat(self.worker)
                     continue
                 while not self._events.empty():
                     batch += self._events.get_nowait()
                 self.index.apply(self.worker, batch)
             except PrefixIndexUnavailable as exc:
-                if in_sync:
+                if not outage:
                     logger.warning("prefix index unavailable (%s); routing falls back to load until it returns", exc)
-                in_sync = False
+                in_sync, outage = False, True
                 self._stopped.wait(self.heartbeat_s)
             except Exception:  # noqa: BLE001 - the engine stopped, or a bug: log, keep the worker up
                 logger.exception("publishing prefix-cache events failed")

@@ -43,8 +43,9 @@ class PrefixIndex(ABC):
         counts as its heartbeat."""
 
     @abstractmethod
-    def heartbeat(self, worker: str) -> None:
-        """The worker is alive (keeps its entries from expiring)."""
+    def heartbeat(self, worker: str) -> bool:
+        """The worker is alive (keeps its entries from expiring). False when the index lost
+        them (a restarted or flushed Redis): the worker should send a snapshot."""
 
     @abstractmethod
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
@@ -62,32 +63,41 @@ class PrefixIndexUnavailable(RuntimeError):
 class InMemoryPrefixIndex(PrefixIndex):
     """The index in this process's memory (tests; one-process deployments)."""
 
-    def __init__(self, ttl_s: float = DEFAULT_TTL_S) -> None:
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_blocks_per_worker: int | None = None) -> None:
+        """`max_blocks_per_worker`: keep only this many most recently stored hashes per worker
+        (for an index fed by guesses, which never hears of evictions)."""
         self.ttl_s = ttl_s
-        self._blocks: dict[str, set[BlockHash]] = {}
+        self.max_blocks_per_worker = max_blocks_per_worker
+        self._blocks: dict[str, dict[BlockHash, None]] = {}  # insertion order = least recent first
         self._seen: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def apply(self, worker: str, events: Sequence[KVEvent]) -> None:
         with self._lock:
-            held = self._blocks.setdefault(worker, set())
+            held = self._blocks.setdefault(worker, {})
             for event in events:
                 if isinstance(event, BlockStored):
-                    held.update(event.block_hashes)
+                    for block_hash in event.block_hashes:
+                        held.pop(block_hash, None)
+                        held[block_hash] = None
                 elif isinstance(event, BlockRemoved):
-                    held.difference_update(event.block_hashes)
+                    for block_hash in event.block_hashes:
+                        held.pop(block_hash, None)
                 elif isinstance(event, AllBlocksCleared):
                     held.clear()
+            while self.max_blocks_per_worker is not None and len(held) > self.max_blocks_per_worker:
+                del held[next(iter(held))]
             self._seen[worker] = time.monotonic()
 
     def replace(self, worker: str, block_hashes: Sequence[BlockHash]) -> None:
         with self._lock:
-            self._blocks[worker] = set(block_hashes)
+            self._blocks[worker] = dict.fromkeys(block_hashes)
             self._seen[worker] = time.monotonic()
 
-    def heartbeat(self, worker: str) -> None:
+    def heartbeat(self, worker: str) -> bool:
         with self._lock:
             self._seen[worker] = time.monotonic()
+            return worker in self._blocks
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         now = time.monotonic()
@@ -95,10 +105,10 @@ class InMemoryPrefixIndex(PrefixIndex):
             for worker in [w for w, seen in self._seen.items() if now - seen > self.ttl_s]:
                 del self._seen[worker]  # expired, as a Redis key would
                 self._blocks.pop(worker, None)
-            return {worker: _leading(self._blocks.get(worker, set()), block_hashes) for worker in self._seen}
+            return {worker: _leading(self._blocks.get(worker, {}), block_hashes) for worker in self._seen}
 
 
-def _leading(held: set[BlockHash], block_hashes: Sequence[BlockHash]) -> int:
+def _leading(held: dict[BlockHash, None], block_hashes: Sequence[BlockHash]) -> int:
     count = 0
     for block_hash in block_hashes:
         if block_hash not in held:
@@ -107,16 +117,27 @@ def _leading(held: set[BlockHash], block_hashes: Sequence[BlockHash]) -> int:
     return count
 
 
-# KEYS[1]: the live-workers sorted set. ARGV: now, ttl, worker-key prefix, hashes (hex)...
+# Liveness uses the Redis server's clock (TIME), so hosts' clocks need not agree.
+# KEYS[1]: the live-workers sorted set, KEYS[2]: the worker's set. ARGV: worker, ttl.
+# Returns 1 if the worker's set exists (its entries survived), else 0.
+_TOUCH_SCRIPT = """
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6, ARGV[1])
+return redis.call('EXPIRE', KEYS[2], ARGV[2])
+"""
+
+# KEYS[1]: the live-workers sorted set. ARGV: ttl, worker-key prefix, hashes (hex)...
 # Returns [worker, count, worker, count, ...] for every worker seen within ttl.
 _MATCH_SCRIPT = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[2]))
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]))
 local workers = redis.call('ZRANGE', KEYS[1], 0, -1)
 local out = {}
 for _, worker in ipairs(workers) do
-  local key = ARGV[3] .. worker
+  local key = ARGV[2] .. worker
   local count = 0
-  for i = 4, #ARGV do
+  for i = 3, #ARGV do
     if redis.call('SISMEMBER', key, ARGV[i]) == 0 then break end
     count = count + 1
   end
@@ -142,6 +163,7 @@ class RedisPrefixIndex(PrefixIndex):
         self.namespace = namespace
         self.ttl_s = ttl_s
         self._match = self.client.register_script(_MATCH_SCRIPT)
+        self._touch_script = self.client.register_script(_TOUCH_SCRIPT)
 
     def _worker_key(self, worker: str) -> str:
         return f"{self.namespace}:worker:{worker}"
@@ -170,8 +192,8 @@ class RedisPrefixIndex(PrefixIndex):
         self._run(write)
 
     def _touch(self, pipe, worker: str) -> None:
-        pipe.expire(self._worker_key(worker), max(1, int(self.ttl_s + 0.999)))
-        pipe.zadd(f"{self.namespace}:workers", {worker: time.time()})
+        self._touch_script(keys=[f"{self.namespace}:workers", self._worker_key(worker)],
+                           args=[worker, max(1, int(self.ttl_s + 0.999))], client=pipe)
 
     def replace(self, worker: str, block_hashes: Sequence[BlockHash]) -> None:
         key = self._worker_key(worker)
@@ -187,18 +209,18 @@ class RedisPrefixIndex(PrefixIndex):
 
         self._run(write)
 
-    def heartbeat(self, worker: str) -> None:
-        def beat() -> None:
+    def heartbeat(self, worker: str) -> bool:
+        def beat() -> bool:
             pipe = self.client.pipeline(transaction=True)
             self._touch(pipe, worker)
-            pipe.execute()
+            return bool(pipe.execute()[-1])
 
-        self._run(beat)
+        return self._run(beat)
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         reply = self._run(lambda: self._match(
             keys=[f"{self.namespace}:workers"],
-            args=[time.time(), self.ttl_s, f"{self.namespace}:worker:", *(h.hex() for h in block_hashes)],
+            args=[self.ttl_s, f"{self.namespace}:worker:", *(h.hex() for h in block_hashes)],
         ))
         return {reply[i].decode(): int(reply[i + 1]) for i in range(0, len(reply), 2)}
 
@@ -207,7 +229,10 @@ class RedisPrefixIndex(PrefixIndex):
 
 
 def make_prefix_index(redis_url: str | None, model_id: str, block_size: int, ttl_s: float = DEFAULT_TTL_S) -> PrefixIndex:
-    """`RedisPrefixIndex` when `redis_url` is given, else `InMemoryPrefixIndex`."""
+    """`RedisPrefixIndex` when `redis_url` is given, else `InMemoryPrefixIndex`.
+    ValueError naming `index_ttl` unless `ttl_s` > 0."""
+    if not ttl_s > 0:
+        raise ValueError(f"index_ttl: must be > 0 seconds, got {ttl_s!r}")
     if redis_url:
         return RedisPrefixIndex(redis_url, f"pdserve:{model_id}:{block_size}", ttl_s)
     return InMemoryPrefixIndex(ttl_s)

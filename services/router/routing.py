@@ -20,7 +20,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from services.common.prefix_index import PrefixIndex, PrefixIndexUnavailable, make_prefix_index
+from services.common.prefix_index import InMemoryPrefixIndex, PrefixIndex, PrefixIndexUnavailable, make_prefix_index
 from services.engine.block_hash import ROOT_HASH, block_hashes
 from services.engine.kv_events import BlockStored
 from services.router.workers import WorkerPool
@@ -40,6 +40,8 @@ class Routing:
                  index_ttl_s: float = 10.0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing: expected one of {list(POLICIES)}, got {policy!r}")
+        if not index_ttl_s > 0:
+            raise ValueError(f"index_ttl: must be > 0 seconds, got {index_ttl_s!r}")
         self.pool = pool
         self.policy = policy
         self.redis_url = redis_url
@@ -89,15 +91,16 @@ class Routing:
             return {}
         model_id, block_size = layout
         if self.index is None:
-            # The approximate index has no heartbeats: its entries live as long as the router.
-            ttl_s = float("inf") if self.learn else self.index_ttl_s
-            self.index = make_prefix_index(self.redis_url, model_id, block_size, ttl_s)
+            if self.learn:  # guesses: no heartbeats, no evictions heard; keep a cache's worth each
+                self.index = InMemoryPrefixIndex(float("inf"), max_blocks_per_worker=self.pool.prefill_num_blocks())
+            else:
+                self.index = make_prefix_index(self.redis_url, model_id, block_size, self.index_ttl_s)
         num_blocks = (len(prompt_ids) - 1) // block_size  # the last prompt token is always computed
         hashes = block_hashes(prompt_ids[: num_blocks * block_size], block_size, model_id, salt or None)
         try:
             matched = self.index.match(hashes)
             if self._index_down:
-                logger.info("prefix index reachable again")
+                logger.warning("prefix index reachable again")
             self._index_down = False
         except PrefixIndexUnavailable as exc:
             if not self._index_down:

@@ -28,6 +28,9 @@ from services.common.server import GRPC_OPTIONS
 
 CAPACITY_TIMEOUT_S = 5.0
 CAPACITY_RETRY_S = 10.0
+# A restarted worker is found within ~2 s, not after gRPC's default backoff of up to 120 s.
+ROUTER_CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 250),
+                          ("grpc.min_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
 HEALTH_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
 HEALTH_FAILURES = 2  # consecutive failed checks before a worker is taken out (one slow answer is not enough)
@@ -64,6 +67,7 @@ class WorkerPool:
         self._failures: dict[str, int] = {}  # address -> consecutive failed health checks
         self._free_blocks: dict[str, int] = {}  # decode address -> free KV blocks at the last check
         self._layout: tuple[str, int] | None = None  # (model_id, block_size) of the prefill workers
+        self._prefill_num_blocks: int | None = None
         self._stop = threading.Event()
         self._health_thread: threading.Thread | None = None
 
@@ -153,15 +157,21 @@ class WorkerPool:
                 except grpc.RpcError:
                     continue
                 self._layout = (info.model_id, info.kv_layout.block_size)
+                self._prefill_num_blocks = info.num_blocks
                 break
         return self._layout
+
+    def prefill_num_blocks(self) -> int | None:
+        """KV blocks of a prefill worker (GetInfo, with `prefill_layout`)."""
+        self.prefill_layout()
+        return self._prefill_num_blocks
 
     def channel(self, address: str) -> grpc.Channel:
         """The cached insecure channel to `address` (created on first use; any HOST:PORT)."""
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+                channel = grpc.insecure_channel(address, options=ROUTER_CHANNEL_OPTIONS)
                 self._channels[address] = channel
             return channel
 

@@ -114,6 +114,11 @@ def test_a_worker_publishes_its_cache_and_resyncs_after_redis_restarts(tiny_llam
         both = hashes + block_hashes(second, 16, engine.model_id)
         assert _wait_for(lambda: _safe_match(index, hashes + []) == {"127.0.0.1:1": 3})
         assert _wait_for(lambda: _safe_match(index, block_hashes(second, 16, engine.model_id)) == {"127.0.0.1:1": 2})
+        # Emptied between two calls (a quick restart, FLUSHALL): the next heartbeat notices.
+        import redis
+
+        redis.Redis.from_url(redis_server.url).flushall()
+        assert _wait_for(lambda: _safe_match(index, hashes) == {"127.0.0.1:1": 3})
         loop.call(engine.reset_prefix_cache)
         assert _wait_for(lambda: _safe_match(index, both) == {"127.0.0.1:1": 0})
     finally:
