@@ -757,3 +757,30 @@ def test_health_checks_take_a_worker_out_and_bring_it_back():
         pool.close()
         service.server.stop(0)
         other.server.stop(0)
+
+
+def test_kv_routing_without_redis_learns_where_it_sent_each_prefix():
+    """The approximate in-process index: after a prompt went to a worker, prompts sharing its
+    full blocks go there too; other prompts spread by load; the guesses per worker are capped."""
+    pool = WorkerPool(["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:3"])
+    pool.prefill_layout = lambda: ("model@0", 16)
+    pool.prefill_num_blocks = lambda: 4
+    routing = Routing(pool, "kv")
+
+    def route(prompt: list[int]) -> tuple[str, int]:
+        address, expected = routing.pick_prefill(prompt)
+        routing.prefill_done(address, len(prompt))
+        routing.learn_routed(address, prompt)
+        return address, expected
+
+    shared = list(range(2, 50))  # 3 full blocks
+    first, expected = route(shared + [7])
+    assert expected == 0
+    for suffix in ([8], [9, 10], [11] * 20):
+        assert route(shared + suffix) == (first, 48)
+    # New prompts, cached nowhere: equal cost, so consecutive ones alternate.
+    assert route(list(range(100, 140)))[0] != route(list(range(300, 340)))[0]
+    # 4 blocks at most per worker: a long new prompt on `first` pushes the shared prefix out.
+    routing.learn_routed(first, list(range(200, 280)))
+    assert route(shared + [12])[1] == 0
+    pool.close()
