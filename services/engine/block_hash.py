@@ -34,6 +34,13 @@ def _field(text: str | None) -> bytes:
     return struct.pack("<I", len(data)) + data
 
 
+def max_cached_blocks(num_tokens: int, block_size: int) -> int:
+    """Most leading blocks of a `num_tokens` sequence that may come from the prefix cache when
+    the engine computes the rest: the last token is always computed (its logits give the next
+    token), so `(num_tokens - 1) // block_size`. The scheduler and the router both apply it."""
+    return (num_tokens - 1) // block_size
+
+
 def extra_key(model_id: str, cache_salt: str | None = None) -> bytes:
     """The 32-byte digest of (model id, salt) that enters every block hash."""
     return hashlib.sha256(_field(model_id) + _field(cache_salt)).digest()

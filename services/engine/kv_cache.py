@@ -92,11 +92,6 @@ class KVCache:
             return []
         return self.pool.lookup(self.block_hashes(request, max_blocks))
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """Extra blocks `request` needs to hold `num_new_tokens` more tokens."""
-        total = request.num_computed_tokens + num_new_tokens
-        return max(0, math.ceil(total / self.spec.block_size) - len(request.block_table))
-
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False (nothing taken) if short.
 

@@ -9,7 +9,7 @@ RECOMPUTE preemption), keeping its generated tokens.
 Admission is first come, first served (a long prompt is never starved) and looks up the prefix
 cache first: a request starts with the cached blocks of its longest cached prefix and computes
 only the rest. At least the last prompt token is always computed, since its logits give the
-first token, so a hit covers at most `(num_tokens - 1) // block_size` blocks; a DECODE request
+first token, so a hit covers at most `block_hash.max_cached_blocks` blocks; a DECODE request
 whose prompt KV comes from a transfer may hit every full prompt block and pulls only the rest.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.engine.block_hash import max_cached_blocks
 from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer.base import KVHandle
@@ -121,7 +122,7 @@ class Scheduler:
                     RemoteLoad(request.request_id, request.kv_handle, list(request.block_table), len(cached))
                 )
             else:
-                cached = self.kv_cache.get_computed_blocks(request, (request.num_tokens - 1) // block_size)
+                cached = self.kv_cache.get_computed_blocks(request, max_cached_blocks(request.num_tokens, block_size))
                 num_cached = len(cached) * block_size
                 num_new, num_queried = min(request.num_tokens - num_cached, budget), request.num_tokens
                 if not self.kv_cache.allocate_slots(request, num_new, cached):

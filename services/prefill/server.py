@@ -98,6 +98,7 @@ def serve(args: argparse.Namespace) -> None:
         loop.stop()
 
     print(service.ready_line(engine_id=engine.config.engine_id), flush=True)
+
     def drained() -> bool:  # nothing running, nothing pinned for a decode worker to pull
         return loop.call(lambda: not engine.has_unfinished_requests() and not engine.pinned)
 

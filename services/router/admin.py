@@ -27,7 +27,7 @@ class RouterAdminServicer(worker_pb2_grpc.AdminServicer):
             address: worker_pb2_grpc.AdminStub(self.pool.channel(address)).ResetPrefixCache.future(
                 worker_pb2.ResetPrefixCacheRequest(), timeout=timeout
             )
-            for address in dict.fromkeys([*self.pool.prefill, *self.pool.decode])
+            for address in self.pool.addresses
         }
         total = worker_pb2.ResetPrefixCacheResponse()
         failed = []

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Sequence
 
 from services.common.prefix_index import InMemoryPrefixIndex, PrefixIndex, PrefixIndexUnavailable, make_prefix_index
-from services.engine.block_hash import ROOT_HASH, block_hashes
+from services.engine.block_hash import ROOT_HASH, block_hashes, max_cached_blocks
 from services.engine.kv_events import BlockStored
 from services.router.workers import WorkerPool
 
@@ -55,9 +55,11 @@ class Routing:
         self._turns = {"prefill": 0, "decode": 0}
 
     def _rotated(self, candidates: list[str], role: str) -> list[str]:
+        """`candidates` starting one further on at each call: its first entry is round-robin,
+        and `min` over it breaks ties round-robin."""
         with self._lock:
-            self._turns[role] += 1
             shift = self._turns[role] % len(candidates)
+            self._turns[role] += 1
         return candidates[shift:] + candidates[:shift]
 
     # -- prefill -------------------------------------------------------------------------------
@@ -65,10 +67,10 @@ class Routing:
     def pick_prefill(self, prompt_ids: Sequence[int], cache_salt: str = "") -> tuple[str, int]:
         """(address, expected cached prompt tokens) for a prompt; the caller must call
         `prefill_done(address, len(prompt_ids))` when its Prefill call ends.
-        Raises ServiceUnavailableError when no prefill worker is healthy."""
-        candidates = self._rotated(self.pool.healthy_prefill(), "prefill")  # ties go round-robin
+        Raises ServiceUnavailableError when no prefill worker is configured."""
+        candidates = self._rotated(self.pool.healthy_prefill(), "prefill")
         if self.policy == "round_robin":
-            address, expected = self.pool.next_prefill(candidates), 0
+            address, expected = candidates[0], 0
         else:
             matched = self._matched_tokens(candidates, prompt_ids, cache_salt) if self.policy == "kv" else {}
             with self._lock:
@@ -95,7 +97,7 @@ class Routing:
                 self.index = InMemoryPrefixIndex(float("inf"), max_blocks_per_worker=self.pool.prefill_num_blocks())
             else:
                 self.index = make_prefix_index(self.redis_url, model_id, block_size, self.index_ttl_s)
-        num_blocks = (len(prompt_ids) - 1) // block_size  # the last prompt token is always computed
+        num_blocks = max_cached_blocks(len(prompt_ids), block_size)  # the engine's own rule
         hashes = block_hashes(prompt_ids[: num_blocks * block_size], block_size, model_id, salt or None)
         try:
             matched = self.index.match(hashes)
@@ -125,7 +127,7 @@ class Routing:
         """A decode worker; the caller must call `decode_done(address)` when its stream ends."""
         candidates = self._rotated(self.pool.healthy_decode(), "decode")
         if self.policy == "round_robin":
-            address = self.pool.next_decode(candidates)
+            address = candidates[0]
         else:
             free = self.pool.decode_free_blocks()
             with self._lock:

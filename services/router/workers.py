@@ -11,7 +11,6 @@ free KV blocks (GetInfo) for the routing policy.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -49,7 +48,7 @@ class WorkerPool:
     """Prefill and decode worker addresses (HOST:PORT) with one cached gRPC channel each.
 
     `healthy_prefill()` / `healthy_decode()` list the workers to route to (ServiceUnavailableError
-    when none); `services.router.routing` picks among them. Channels (and stubs) are created on first
+    when none is configured); `services.router.routing` picks among them. Channels (and stubs) are created on first
     use and shared by every request: gRPC multiplexes concurrent calls over one connection.
     Thread-safe.
     """
@@ -58,8 +57,6 @@ class WorkerPool:
         self.prefill = [check_address(a, "prefill") for a in prefill]
         self.decode = [check_address(a, "decode") for a in decode]
         self._lock = threading.Lock()
-        self._prefill_cycle = itertools.cycle(self.prefill)
-        self._decode_cycle = itertools.cycle(self.decode)
         self._channels: dict[str, grpc.Channel] = {}
         self._capacity: dict[str, int] = {}  # address -> tokens of KV one request can hold there
         self._capacity_retry_at: dict[str, float] = {}  # address -> when to ask again after a failure
@@ -86,7 +83,7 @@ class WorkerPool:
             self._check_all(timeout_s)
 
     def _check_all(self, timeout_s: float) -> None:
-        for address in dict.fromkeys([*self.prefill, *self.decode]):
+        for address in self.addresses:
             healthy = self._serving(address, timeout_s)
             if healthy and address in self.decode:
                 try:  # for routing only: health is the health service's answer
@@ -97,14 +94,13 @@ class WorkerPool:
             with self._lock:
                 self._failures[address] = 0 if healthy else self._failures.get(address, 0) + 1
                 healthy = healthy or (self._failures[address] < HEALTH_FAILURES and address not in self.unhealthy)
-            metrics.WORKER_HEALTHY.labels("router", address).set(1 if healthy else 0)
-            with self._lock:
                 if healthy and address in self.unhealthy:
                     logger.info("worker %s is healthy again", address)
                     self.unhealthy.discard(address)
                 elif not healthy and address not in self.unhealthy:
                     logger.warning("worker %s is unhealthy: no new requests go there", address)
                     self.unhealthy.add(address)
+            metrics.WORKER_HEALTHY.labels("router", address).set(1 if healthy else 0)
 
     def _serving(self, address: str, timeout_s: float) -> bool:
         try:
@@ -121,8 +117,14 @@ class WorkerPool:
         with self._lock:
             self.unhealthy.add(address)
 
+    @property
+    def addresses(self) -> list[str]:
+        """Every worker, prefill then decode, each once."""
+        return list(dict.fromkeys([*self.prefill, *self.decode]))
+
     def healthy_prefill(self) -> list[str]:
-        """Prefill workers that passed their last check; ServiceUnavailableError if none."""
+        """Prefill workers in routing (all of them when every one is out: fail open);
+        ServiceUnavailableError when none is configured."""
         return self._healthy(self.prefill, "prefill")
 
     def healthy_decode(self) -> list[str]:
@@ -134,15 +136,6 @@ class WorkerPool:
         with self._lock:
             healthy = [a for a in addresses if a not in self.unhealthy]
         return healthy or list(addresses)  # fail open: the call will say what is wrong
-
-    def next_prefill(self, candidates: list[str]) -> str:
-        """Round-robin over the configured list, skipping workers not in `candidates`."""
-        with self._lock:
-            return next(a for a in self._prefill_cycle if a in candidates)
-
-    def next_decode(self, candidates: list[str]) -> str:
-        with self._lock:
-            return next(a for a in self._decode_cycle if a in candidates)
 
     def decode_free_blocks(self) -> dict[str, int]:
         return dict(self._free_blocks)
