@@ -115,11 +115,16 @@ def _add_worker(worker: argparse.ArgumentParser, role: str) -> None:
                         help="on SIGTERM: seconds to finish in-flight requests (new ones are refused)")
     if role == "prefill":
         worker.add_argument("--kv-lease-seconds", type=float, default=30.0,
-                            help="how long a request's prompt KV stays pinned for its decode worker")
+                            help="seconds a request's prompt KV stays pinned without a renewal from its "
+                                 "decode worker; then its blocks are freed")
+        worker.add_argument("--debug-kv-stall-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
         _add_redis_flags(worker)
     else:
         worker.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                            help="seconds to pull one request's prompt KV")
+                            help="seconds a request may wait for its prompt KV (blocks, then the pull)")
+        worker.add_argument("--max-num-waiting-for-kv", type=int, default=64,
+                            help="requests queued for KV blocks when the cache is full; more get "
+                                 "RESOURCE_EXHAUSTED")
         worker.add_argument("--debug-zero-kv-block", type=int, default=None, help=argparse.SUPPRESS)
 
 

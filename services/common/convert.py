@@ -6,13 +6,13 @@ import torch
 
 from services.common.pb import common_pb2
 from services.engine.kv_cache import KVCacheSpec
-from services.engine.kv_transfer.base import KVHandle
+from services.engine.kv_transfer.base import KV_TENSOR_LAYOUT, KVHandle
+from services.engine.kv_transfer.handshake import KVPeerInfo
 from services.engine.sampler import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
-KV_TENSOR_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -72,6 +72,24 @@ def layout_from_proto(msg: common_pb2.KVLayout) -> KVCacheSpec:
     if msg.layout != KV_TENSOR_LAYOUT:
         raise ValueError(f"kv_layout.layout: expected {KV_TENSOR_LAYOUT!r}, got {msg.layout!r}")
     return KVCacheSpec(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, _DTYPES[msg.dtype])
+
+
+def peer_info_to_proto(info: KVPeerInfo) -> tuple[str, common_pb2.KVLayout]:
+    """(model_id, layout) of a handshake message."""
+    layout = common_pb2.KVLayout(
+        num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+        block_size=info.block_size, dtype=_DTYPE_NAMES[info.dtype], layout=info.layout,
+    )
+    return info.model_id, layout
+
+
+def peer_info_from_proto(model_id: str, msg: common_pb2.KVLayout) -> KVPeerInfo:
+    """A peer's handshake fields, kept as sent (an unknown layout string is a mismatch to
+    report, not a parse error); raises ValueError only for an unknown dtype name."""
+    if msg.dtype not in _DTYPES:
+        raise ValueError(f"kv_layout.dtype: unknown {msg.dtype!r}")
+    return KVPeerInfo(model_id, _DTYPES[msg.dtype], msg.num_layers, msg.num_kv_heads, msg.head_dim,
+                      msg.block_size, msg.layout)
 
 
 def tensor_to_bytes(tensor: torch.Tensor) -> bytes:

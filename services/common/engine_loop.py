@@ -21,7 +21,7 @@ from services.common import metrics
 from services.common.errors import ServiceUnavailableError
 from services.engine import Engine, SamplingParams
 from services.engine.kv_transfer.base import KVHandle
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import KVReserved, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class EngineLoop:
         self.engine = engine
         self.role = role
         self._calls: queue.Queue[tuple[Callable[[], object], Future] | None] = queue.Queue()
-        self._streams: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, queue.Queue[RequestOutput | KVReserved | BaseException]] = {}
         self._hooks: list[Callable[[], None]] = []
         self._stopped = False
         self.max_step_tokens_per_request = 0
@@ -51,6 +51,8 @@ class EngineLoop:
     def start(self) -> None:
         for counter in metrics.WORKER_COUNTERS:
             counter.labels(self.role)
+        for reason in metrics.KV_FAILURE_REASONS:
+            metrics.KV_TRANSFER_FAILURES.labels(self.role, reason)
         self._publish_metrics()
         self._thread.start()
 
@@ -84,15 +86,21 @@ class EngineLoop:
         self._calls.put((fn, future))
         return future.result(timeout=timeout)
 
+    def wake(self) -> None:
+        """Make an idle loop look at the engine now (a reserved request's KV became ready)."""
+        self._calls.put((lambda: None, Future()))
+
     def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_handle: KVHandle | None = None,
         cache_salt: str | None = None,
-    ) -> queue.Queue[RequestOutput | BaseException]:
-        """Add a request; its outputs (or an exception) arrive on the returned queue.
+    ) -> queue.Queue[RequestOutput | KVReserved | BaseException]:
+        """Add a request; its outputs (or an exception) arrive on the returned queue. A DECODE
+        request first gets a `KVReserved` once its blocks are reserved.
 
-        Raises the engine's InvalidRequestError / ResourceExhaustedError synchronously.
+        Raises the engine's InvalidRequestError / ResourceExhaustedError / KVHandshakeError
+        synchronously.
         """
-        stream: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        stream: queue.Queue[RequestOutput | KVReserved | BaseException] = queue.Queue()
 
         def add() -> None:
             self.engine.add_request(
@@ -121,9 +129,17 @@ class EngineLoop:
             self._run_calls(block=not self.engine.has_unfinished_requests())
             if self._stopped:
                 return
+            self._deliver_reserved()
             if self.engine.has_unfinished_requests():
                 self._step()
+                self._deliver_reserved()
             self._run_hooks()
+
+    def _deliver_reserved(self) -> None:
+        for request_id, first_block in self.engine.take_reserved():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put(KVReserved(request_id, first_block))
 
     def _run_calls(self, block: bool) -> None:
         """Run every queued call; when `block`, first wait up to POLL_SECONDS for one."""

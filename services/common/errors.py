@@ -2,7 +2,10 @@
 
 `ErrorInterceptor` wraps every handler of a server: typed engine errors and ValueError become
 INVALID_ARGUMENT / RESOURCE_EXHAUSTED / NOT_FOUND, a failed downstream call keeps its code
-(UNAVAILABLE, DEADLINE_EXCEEDED, ...), anything else is INTERNAL and logged once with its stack.
+(UNAVAILABLE, DEADLINE_EXCEEDED, ...), a KV handshake refusal is FAILED_PRECONDITION, anything
+else is INTERNAL and logged once with its stack. A `PeerUnavailableError` also names the peer
+that failed in the trailing metadata key `pdserve-failed-peer`, so a router can tell a dead KV
+source (retry the prefill elsewhere) from a dead decode worker.
 """
 
 from __future__ import annotations
@@ -12,19 +15,44 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from services.engine.errors import InvalidRequestError, RequestNotFoundError, ResourceExhaustedError
+from services.engine.errors import (
+    InvalidRequestError,
+    KVHandshakeError,
+    RequestNotFoundError,
+    ResourceExhaustedError,
+)
 
 logger = logging.getLogger(__name__)
+
+
+FAILED_PEER_KEY = "pdserve-failed-peer"
 
 
 class ServiceUnavailableError(Exception):
     """No healthy worker, or a peer died (-> UNAVAILABLE)."""
 
 
+class PeerUnavailableError(ServiceUnavailableError):
+    """A peer this call depended on (`peer`, HOST:PORT) failed (-> UNAVAILABLE, peer in the
+    trailing metadata)."""
+
+    def __init__(self, message: str, peer: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+def failed_peer(exc: grpc.RpcError) -> str | None:
+    """The peer a PeerUnavailableError named in a call's trailing metadata, if any."""
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    return next((value for key, value in trailing or () if key == FAILED_PEER_KEY), None)
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """(code, details) for an exception raised inside a handler."""
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return exc.code(), exc.details() or ""
+    if isinstance(exc, KVHandshakeError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, (InvalidRequestError, ValueError)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, ResourceExhaustedError):
@@ -44,6 +72,8 @@ def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
         logger.exception("internal error in handler", exc_info=exc)
     else:
         logger.info("request failed: %s %s", code.name, details)
+    if isinstance(exc, PeerUnavailableError):
+        context.set_trailing_metadata(((FAILED_PEER_KEY, exc.peer),))
     context.abort(code, details)
 
 

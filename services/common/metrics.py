@@ -31,7 +31,13 @@ KV_TRANSFER_TIME = Histogram(
     "pdserve_kv_transfer_seconds", "Pulling one request's prompt KV.", ["role"], buckets=LATENCY_BUCKETS
 )
 KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes", "KV bytes moved between workers.", ["role"])
-KV_TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures", "KV pulls that failed.", ["role"])
+KV_TRANSFER_FAILURES = Counter(
+    "pdserve_kv_transfer_failures",
+    "Transfers that failed, by reason: unavailable, deadline_exceeded, not_found, handshake (refused "
+    "layouts), lease_expired (prefill: nobody pulled in time), kv_timeout (decode: KV never arrived).",
+    ["role", "reason"],
+)
+KV_FAILURE_REASONS = ("unavailable", "deadline_exceeded", "not_found", "handshake", "lease_expired", "kv_timeout")
 KV_BLOCKS_FREE = Gauge("pdserve_kv_blocks_free", "Free KV blocks.", ["role"])
 KV_BLOCKS_PINNED = Gauge("pdserve_kv_blocks_pinned", "KV blocks pinned for a transfer.", ["role"])
 KV_CACHE_USAGE = Gauge("pdserve_kv_cache_usage_ratio", "Used / total KV blocks.", ["role"])
@@ -65,7 +71,7 @@ TOKENIZE_TIME = Histogram("pdserve_tokenize_time_seconds", "Prompt tokenization.
 # being absent (what rate() and dashboards expect); the router has none of them.
 WORKER_COUNTERS = (
     PROMPT_TOKENS, GENERATION_TOKENS, NUM_PREEMPTIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
-    KV_TRANSFER_BYTES, KV_TRANSFER_FAILURES,
+    KV_TRANSFER_BYTES,
 )
 
 

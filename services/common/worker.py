@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import queue
-import time
 
 import grpc
 
@@ -27,7 +26,9 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
-        enable_kv_events=bool(getattr(args, "redis_url", None)), **optional,
+        enable_kv_events=bool(getattr(args, "redis_url", None)),
+        kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout", 30.0),
+        max_num_waiting_for_kv=getattr(args, "max_num_waiting_for_kv", 64), **optional,
     )
 
 
@@ -84,28 +85,3 @@ def next_output(stream: queue.Queue, context: grpc.ServicerContext) -> RequestOu
             raise item
         return item
     return None
-
-
-class PinLeases:
-    """Prefill side: when each pinned request was handed off; frees pins older than the lease.
-
-    `expire` runs as an EngineLoop idle hook; `pinned` is called through `EngineLoop.call`.
-    """
-
-    def __init__(self, loop: EngineLoop, lease_s: float) -> None:
-        self.loop = loop
-        self.lease_s = lease_s
-        self._since: dict[str, float] = {}
-
-    def pinned(self, request_id: str) -> None:
-        self._since[request_id] = time.monotonic()
-
-    def expire(self) -> None:
-        engine = self.loop.engine
-        now = time.monotonic()
-        for request_id, since in list(self._since.items()):
-            if request_id not in engine.pinned:
-                del self._since[request_id]  # released by its decode worker
-            elif now - since > self.lease_s:
-                del self._since[request_id]
-                self.loop.abort(request_id)

@@ -1,9 +1,14 @@
 """Decode worker process: a gRPC adapter around an engine in DECODE role.
 
-Each Decode call names a prefill worker's KV handle; the engine allocates local blocks, pulls the
-prompt KV over gRPC (in chunks of at most 4 MiB), releases the prefill pin, joins the running
-batch and streams one token per step. A cancelled call aborts the request and frees its blocks
-at once (and, if the KV never landed, tells the prefill worker to unpin).
+Each Decode call names a prefill worker's KV handle. The RPC thread handshakes with that worker
+(once per prefill engine), the engine reserves the request's blocks (or queues it, bounded), the
+RPC thread pulls the prompt KV it lacks over gRPC (4 MiB chunks, within `--kv-transfer-timeout`)
+while the engine keeps stepping the running batch, and the engine then loads it, releases the
+prefill pin, joins the batch and streams one token per step. Failures end the call with a clear
+status: FAILED_PRECONDITION (layouts differ), RESOURCE_EXHAUSTED (too many wait for blocks),
+DEADLINE_EXCEEDED (the KV did not arrive in time), UNAVAILABLE naming the prefill worker in the
+`pdserve-failed-peer` trailer (it died or lost the KV: the router retries elsewhere). A cancelled
+or failed call frees the request's blocks at once.
 """
 
 from __future__ import annotations
@@ -13,15 +18,17 @@ import contextlib
 import logging
 import threading
 
+from services.common import metrics
 from services.common.convert import handle_from_proto, logprobs_to_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop, ShuttingDownError
-from services.common.errors import ServiceUnavailableError
+from services.common.errors import PeerUnavailableError, ServiceUnavailableError
 from services.common.kv_transfer_grpc import GrpcKVTransfer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import start_service, wait_for_termination
 from services.common.worker import AdminServicer, cache_salt, engine_config, next_output, worker_info
 from services.engine import Engine, EngineRole
-from services.engine.errors import InvalidRequestError, KVTransferError
+from services.engine.errors import InvalidRequestError, KVHandshakeError, KVTransferError
+from services.engine.outputs import KVReserved
 
 logger = logging.getLogger(__name__)
 
@@ -51,35 +58,52 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         handle, source = handle_from_proto(request.kv_handle)
         params = sampling_from_proto(request.sampling)
         prompt_ids, salt = list(request.prompt_token_ids), cache_salt(request.cache_salt)
-        self.transfer.set_source(request.request_id, source)
-        try:  # pull on this RPC thread, skipping what the prefix cache holds: the engine thread
-            # keeps stepping the running batch meanwhile
-            self.transfer.prefetch(handle, self.loop.call(lambda: self.loop.engine.cached_prefix_blocks(prompt_ids, salt)))
-            stream = self.loop.submit(request.request_id, prompt_ids, params, kv_handle=handle, cache_salt=salt)
-        except BaseException as exc:
-            self.transfer.discard(request.request_id)  # the router releases the prefill's pin
-            if isinstance(exc, KVTransferError):
-                raise ServiceUnavailableError(f"prompt KV of {request.request_id!r}: {exc}") from exc
-            raise
+        request_id = request.request_id
+        self.transfer.set_source(request_id, source)  # its lease is renewed from now on
         try:
+            self.transfer.connect(handle, self.loop.engine.kv_peer_info)  # on this thread: a network call
+            stream = self.loop.submit(request_id, prompt_ids, params, kv_handle=handle, cache_salt=salt)
+            landed = False
             while (out := next_output(stream, context)) is not None:
-                if out.finish_reason == "error":
-                    raise ServiceUnavailableError(f"prompt KV of {request.request_id!r} could not be pulled from {source}")
+                if isinstance(out, KVReserved):  # pull on this thread; the batch keeps stepping
+                    self.transfer.prefetch(handle, out.first_block)
+                    self.loop.wake()
+                    continue
+                if out.finish_reason in ("error", "kv_timeout"):
+                    raise self._kv_failure(request_id, source, out.finish_reason)
                 yield worker_pb2.DecodeResponse(
                     # A request that ended at admission has only the prefill's first token: none new.
                     token_ids=out.new_token_ids if len(out.output_token_ids) > 1 else [],
                     finish_reason=out.finish_reason if out.finished else "",
-                    kv_transfer_seconds=self.transfer.pull_seconds.pop(request.request_id, 0.0),
+                    kv_transfer_seconds=0.0 if landed else self.transfer.pull_seconds.get(request_id, 0.0),
                     num_cached_tokens=out.num_cached_tokens,
                     logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
                 )
+                landed = True
                 if out.finished:
                     return
+        except KVHandshakeError:
+            self.transfer.complete(handle)  # the KV is unusable here: let the source unpin now
+            raise  # FAILED_PRECONDITION
+        except KVTransferError as exc:
+            raise self._kv_failure(request_id, source, exc.reason, str(exc)) from exc
         finally:
-            self.transfer.discard(request.request_id)
-            self.transfer.pull_seconds.pop(request.request_id, None)
             with contextlib.suppress(ShuttingDownError):  # the engine is gone: nothing to free
-                self.loop.abort(request.request_id)  # no-op once finished; frees blocks on cancel
+                # No-op once finished; on a cancel or failure it frees the blocks and, if the KV
+                # never landed, tells the prefill worker to unpin.
+                self.loop.abort(request_id)
+            self.transfer.forget(request_id)
+
+    def _kv_failure(self, request_id: str, source: str, reason: str, detail: str = "") -> Exception:
+        """The status for a request whose prompt KV never landed."""
+        if reason in ("kv_timeout", "deadline_exceeded"):
+            if reason == "kv_timeout":
+                metrics.KV_TRANSFER_FAILURES.labels("decode", reason).inc()
+            timeout = self.loop.engine.config.kv_transfer_timeout_s
+            return TimeoutError(f"prompt KV of {request_id!r} from {source} did not arrive within {timeout:g} s "
+                                f"(--kv-transfer-timeout) {detail}".rstrip())
+        return PeerUnavailableError(f"prompt KV of {request_id!r} could not be pulled from {source}: "
+                                    f"{detail or reason}", peer=source)
 
     def GetInfo(self, request, context):
         return worker_info(self.loop, "decode")
@@ -99,5 +123,9 @@ def serve(args: argparse.Namespace) -> None:
     )
     loop.start()
     print(service.ready_line(engine_id=engine.config.engine_id), flush=True)
-    wait_for_termination(service, on_stop=loop.stop, draining=decode.draining,
+    def stop() -> None:
+        loop.stop()
+        transfer.close()
+
+    wait_for_termination(service, on_stop=stop, draining=decode.draining,
                          drained=lambda: decode.num_streams == 0, drain_timeout=args.drain_timeout)

@@ -66,6 +66,12 @@ class EngineConfig:
     attention_backend: str = "auto"
     """"torch_sdpa" (pure torch), "cpu_paged" (C++ paged decode kernel) or "auto" (cpu_paged on
     the CPU when its kernel builds, else torch_sdpa)."""
+    kv_transfer_timeout_s: float = 30.0
+    """DECODE role: seconds a request may wait for its prompt KV (blocks to reserve, then the
+    pull) before it fails; the destination of a stalled transfer gives up after this long."""
+    max_num_waiting_for_kv: int = 64
+    """DECODE role: most requests queued for KV blocks when the cache is full; one more is
+    refused with ResourceExhaustedError (RESOURCE_EXHAUSTED) instead of waiting unbounded."""
     engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:12]}")
     """Name of this engine in KV handles; unique within a cluster (random by default)."""
 
@@ -78,7 +84,8 @@ class EngineConfig:
             raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                     "max_num_waiting_for_kv"):
             _check_positive_int(name, getattr(self, name))
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
@@ -90,6 +97,8 @@ class EngineConfig:
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend: expected one of {list(BACKEND_NAMES)}, got {self.attention_backend!r}")
+        if not (isinstance(self.kv_transfer_timeout_s, (int, float)) and self.kv_transfer_timeout_s > 0):
+            raise ValueError(f"kv_transfer_timeout_s: must be > 0 seconds, got {self.kv_transfer_timeout_s!r}")
         if not self.engine_id:
             raise ValueError("engine_id: must not be empty")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -21,6 +21,7 @@ from services.engine.config import EngineConfig, EngineRole
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.errors import (
     InvalidRequestError,
+    KVHandshakeError,
     KVTransferError,
     RequestNotFoundError,
 )
@@ -28,6 +29,7 @@ from services.engine.kv_cache import KVCache
 from services.engine.block_hash import BlockHash
 from services.engine.kv_events import KVEvent
 from services.engine.kv_transfer.base import KVHandle, KVSource, KVTransfer
+from services.engine.kv_transfer.handshake import KVPeerInfo
 from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
 from services.engine.loader import model_id, resolve_model
 from services.engine.model_runner import ModelRunner, check_model_config, load_model, resolve_max_model_len
@@ -56,12 +58,13 @@ class Engine(KVSource):
             spec, num_blocks, config.device, shuffle=config.shuffle_free_blocks, seed=config.seed,
             model_id=self.model_id if config.enable_prefix_caching else None, record_events=config.enable_kv_events,
         )
-        self.scheduler = Scheduler(config, self.kv_cache)
+        self.kv_transfer = kv_transfer or InMemoryKVTransfer()
+        self.scheduler = Scheduler(config, self.kv_cache, kv_ready=self._kv_ready)
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
         self.tokenizer = _load_tokenizer(self.model_path)
         self.checker = RequestChecker(config, self.runner.vocab_size, num_blocks, self.tokenizer)
         self.eos_token_id = _eos_token_id(hf_config, self.tokenizer)
-        self.kv_transfer = kv_transfer or InMemoryKVTransfer()
+        self._kv_peer_info = KVPeerInfo.of(spec, self.model_id)
         self.kv_transfer.register_source(config.engine_id, self)
         self.requests: dict[str, Request] = {}
         self.pinned: dict[str, Request] = {}  # PREFILL role: finished, blocks held for export
@@ -82,11 +85,14 @@ class Engine(KVSource):
     ) -> str:
         """Queue a request; returns its id.
 
-        DECODE role: `kv_handle` (required) says where the prompt's KV and first token are.
+        DECODE role: `kv_handle` (required) says where the prompt's KV and first token are; the
+        request reserves its blocks now (or queues for them) and runs once its KV is loaded.
         `cache_salt`: requests share cached prefix blocks only with requests of the same salt
         (vLLM's `cache_salt`: isolates tenants from each other's prefix-cache timing).
         Raises InvalidRequestError (empty or too-long prompt, unknown token ids, duplicate id,
-        non-string salt) and ResourceExhaustedError (the request could never fit in the KV cache).
+        non-string salt), ResourceExhaustedError (the request could never fit in the KV cache,
+        or too many wait for blocks) and KVHandshakeError (the handle's source holds KV of
+        another model or layout).
         """
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex}"  # unique cluster-wide, as KV handles need
@@ -95,6 +101,12 @@ class Engine(KVSource):
         if request_id in self.requests or request_id in self.pinned:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt_ids = self.checker.prompt_ids(prompt)
+        if kv_handle is not None:  # first: with another layout, the handle's numbers mean nothing here
+            try:
+                self.kv_transfer.connect(kv_handle, self.kv_peer_info)
+            except KVHandshakeError:
+                self.kv_transfer.complete(kv_handle)  # unusable here: let the source unpin now
+                raise
         self.checker.check(request_id, prompt_ids, params, kv_handle, cache_salt)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(
@@ -108,8 +120,8 @@ class Engine(KVSource):
                 self.requests[request_id] = request
                 self._finished_at_admission.append(request)
                 return request_id
-        self.requests[request_id] = request
         self.scheduler.add(request)
+        self.requests[request_id] = request
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -130,7 +142,26 @@ class Engine(KVSource):
         request.finish(RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.num_running or self.scheduler.num_waiting or self._finished_at_admission)
+        """Whether `step()` has work: a request to compute, a DECODE request whose KV is ready or
+        overdue. A DECODE request still waiting for its KV needs no step (`num_waiting_for_kv`)."""
+        return bool(self._finished_at_admission) or self.scheduler.has_ready_work()
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        """DECODE requests queued for blocks or reserved and waiting for their KV."""
+        return len(self.scheduler.waiting_for_kv) + len(self.scheduler.reserved)
+
+    def take_reserved(self) -> list[tuple[str, int]]:
+        """DECODE role: reserve blocks for queued requests where room allows, then return every
+        request reserved since the last call as (request_id, first_block): its KV may be pulled
+        now, from `first_block` on (the blocks before it are in the local prefix cache)."""
+        self.scheduler.reserve_waiting()
+        reserved = [(r.request_id, r.kv_first_block) for r in self.scheduler.newly_reserved]
+        self.scheduler.newly_reserved.clear()
+        return reserved
+
+    def _kv_ready(self, request: Request) -> bool:
+        return request.kv_first_block >= len(request.kv_handle.block_ids) or self.kv_transfer.is_ready(request.kv_handle)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -138,6 +169,10 @@ class Engine(KVSource):
         """Run one iteration; returns an output for every request that got a token or finished."""
         outputs = [self._finish(r) for r in self._finished_at_admission]
         self._finished_at_admission.clear()
+        for request in self.scheduler.timed_out():
+            self.kv_transfer.complete(request.kv_handle)  # never loaded: let the source unpin now
+            request.finish(RequestStatus.FINISHED_KV_TIMEOUT)
+            outputs.append(self._finish(request))
         sched = self.scheduler.schedule()
         self.last_step = sched
         outputs += self._load_remote_kv(sched)
@@ -298,6 +333,10 @@ class Engine(KVSource):
         return detok.add_tokens(token_ids) + detok.flush()
 
     @property
+    def kv_peer_info(self) -> KVPeerInfo:
+        return self._kv_peer_info
+
+    @property
     def num_pinned_blocks(self) -> int:
         """Blocks held for KV export (PREFILL role), awaiting a pull or their lease."""
         return sum(len(r.block_table) for r in self.pinned.values())
@@ -306,7 +345,8 @@ class Engine(KVSource):
         """Raise RuntimeError if block accounting is broken (tests call it after every step)."""
         pool = self.kv_cache.pool
         pool.check_integrity()
-        refs = collections.Counter(b for r in [*self.scheduler.running, *self.pinned.values()] for b in r.block_table)
+        holders = [*self.scheduler.running, *self.scheduler.reserved, *self.pinned.values()]
+        refs = collections.Counter(b for r in holders for b in r.block_table)
         wrong = [b for b in range(pool.num_blocks) if refs[b] != pool.ref_count(b)]
         if wrong:
             b = wrong[0]

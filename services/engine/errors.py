@@ -27,4 +27,18 @@ class RequestNotFoundError(EngineError, KeyError):
 
 
 class KVTransferError(EngineError):
-    """Pulling a request's KV from its source failed (peer gone, stalled, or refused)."""
+    """Pulling a request's KV from its source failed. `reason` says how, for metrics and status
+    codes: "unavailable" (the source is gone), "deadline_exceeded" (it stalled), "not_found" (it
+    no longer holds the KV), "handshake" (incompatible layouts), or another lower-case name."""
+
+    def __init__(self, message: str, reason: str = "failed") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class KVHandshakeError(KVTransferError):
+    """Two engines whose KV layouts or models differ were asked to exchange KV
+    (-> FAILED_PRECONDITION); the message names every differing field."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="handshake")

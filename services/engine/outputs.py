@@ -23,6 +23,15 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class KVReserved:
+    """DECODE role: a request's blocks are reserved; pull its prompt KV from `first_block` on
+    (the blocks before it came from the local prefix cache)."""
+
+    request_id: str
+    first_block: int
+
+
+@dataclass(frozen=True)
 class CompletionOutput:
     """A finished request from `Engine.generate`."""
 

@@ -22,6 +22,7 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"  # abort() by the caller
     FINISHED_PREFILLED = "finished_prefilled"  # PREFILL role: first token out, KV held for export
     FINISHED_ERROR = "finished_error"  # DECODE role: the prompt KV could not be pulled
+    FINISHED_KV_TIMEOUT = "finished_kv_timeout"  # DECODE role: the prompt KV did not arrive in time
 
     @property
     def is_finished(self) -> bool:
@@ -38,6 +39,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_PREFILLED: "prefilled",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_KV_TIMEOUT: "kv_timeout",
 }
 
 
@@ -72,6 +74,10 @@ class Request:
     """Leading blocks of `block_table` already offered to the prefix cache."""
     num_cached_tokens: int | None = None
     """Prompt tokens whose KV came from the prefix cache at first admission (None before)."""
+    kv_first_block: int = 0
+    """DECODE role: prompt blocks found in the local prefix cache; the transfer pulls the rest."""
+    kv_deadline: float = float("inf")
+    """DECODE role: monotonic time by which the prompt KV must have been loaded."""
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -9,17 +9,25 @@ RECOMPUTE preemption), keeping its generated tokens.
 Admission is first come, first served (a long prompt is never starved) and looks up the prefix
 cache first: a request starts with the cached blocks of its longest cached prefix and computes
 only the rest. At least the last prompt token is always computed, since its logits give the
-first token, so a hit covers at most `block_hash.max_cached_blocks` blocks; a DECODE request
-whose prompt KV comes from a transfer may hit every full prompt block and pulls only the rest.
+first token, so a hit covers at most `block_hash.max_cached_blocks` blocks.
+
+A DECODE request whose prompt KV comes from a transfer reserves its blocks first (Mooncake's and
+vLLM's P/D rule: the KV never arrives to a full cache), hitting its own prefix cache for every
+full prompt block it can and pulling only the rest. Requests that find no room wait in a bounded
+FIFO queue (`max_num_waiting_for_kv`); a reserved request joins the running batch once its KV is
+ready, and one still waiting after `kv_transfer_timeout_s` fails.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.engine.block_hash import max_cached_blocks
 from services.engine.config import EngineConfig
+from services.engine.errors import ResourceExhaustedError
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer.base import KVHandle
 from services.engine.request import Request, RequestStatus
@@ -61,18 +69,77 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting and running queues and every request's blocks."""
 
-    def __init__(self, config: EngineConfig, kv_cache: KVCache) -> None:
+    def __init__(
+        self, config: EngineConfig, kv_cache: KVCache, kv_ready: Callable[[Request], bool] = lambda r: True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`kv_ready(request)`: whether a reserved DECODE request's prompt KV can be loaded now."""
         self.config = config
         self.kv_cache = kv_cache
+        self.kv_ready = kv_ready
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.waiting_for_kv: deque[Request] = deque()  # DECODE: no blocks reserved yet (FIFO, bounded)
+        self.reserved: list[Request] = []  # DECODE: blocks reserved, prompt KV not loaded yet
+        self.newly_reserved: list[Request] = []  # reserved since the caller last cleared it
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt positions run through the model (incl. recompute)
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_cache_hits = 0  # of those, tokens whose KV was reused
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        """Queue a request. A DECODE request (WAITING_FOR_REMOTE_KV) reserves its blocks now if
+        no earlier one is queued for blocks; raises ResourceExhaustedError when it would have to
+        queue and `max_num_waiting_for_kv` requests already do."""
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.waiting.append(request)
+            return
+        request.kv_deadline = self.clock() + self.config.kv_transfer_timeout_s
+        if not self.waiting_for_kv and self._reserve(request):
+            return
+        if len(self.waiting_for_kv) >= self.config.max_num_waiting_for_kv:
+            raise ResourceExhaustedError(
+                f"KV cache full: {len(self.waiting_for_kv)} requests already wait for blocks "
+                f"(max_num_waiting_for_kv); retry later or on another decode worker"
+            )
+        self.waiting_for_kv.append(request)
+
+    def reserve_waiting(self) -> None:
+        """Reserve blocks for queued DECODE requests, first come first served."""
+        while self.waiting_for_kv and self._reserve(self.waiting_for_kv[0]):
+            self.waiting_for_kv.popleft()
+
+    def _reserve(self, request: Request) -> bool:
+        """Blocks for the whole prompt (filled by the transfer, or by the local prefix cache) and
+        the first token; False (nothing taken) when the cache is short."""
+        block_size = self.kv_cache.spec.block_size
+        num_prompt = request.kv_handle.num_tokens
+        cached = self.kv_cache.get_computed_blocks(request, num_prompt // block_size)
+        num_cached = len(cached) * block_size
+        if not self.kv_cache.allocate_slots(request, request.num_tokens - num_cached, cached):
+            return False
+        request.kv_first_block = len(cached)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached
+        if self.kv_cache.prefix_caching:
+            self.prefix_cache_queries += num_prompt
+            self.prefix_cache_hits += num_cached
+        self.reserved.append(request)
+        self.newly_reserved.append(request)
+        return True
+
+    def timed_out(self) -> list[Request]:
+        """DECODE requests whose KV did not arrive by their deadline (queued or reserved)."""
+        now = self.clock()
+        return [r for r in (*self.waiting_for_kv, *self.reserved) if now >= r.kv_deadline]
+
+    def has_ready_work(self) -> bool:
+        """Whether `schedule` would find something: a running or waiting request, a reserved one
+        whose KV is ready, or one past its KV deadline."""
+        if self.running or self.waiting or any(self.kv_ready(r) for r in self.reserved):
+            return True
+        return bool(self.timed_out())
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -106,38 +173,47 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        budget = self._admit_reserved(out, budget)
         block_size = self.kv_cache.spec.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                # Blocks for the whole prompt (filled by the transfer) plus the first token.
-                num_prompt = request.kv_handle.num_tokens
-                cached = self.kv_cache.get_computed_blocks(request, num_prompt // block_size)
-                num_cached = len(cached) * block_size
-                if not self.kv_cache.allocate_slots(request, request.num_tokens - num_cached, cached):
-                    break
-                request.num_computed_tokens = num_prompt
-                num_new, num_queried = request.num_tokens - num_prompt, num_prompt
-                out.remote_loads.append(
-                    RemoteLoad(request.request_id, request.kv_handle, list(request.block_table), len(cached))
-                )
-            else:
-                cached = self.kv_cache.get_computed_blocks(request, max_cached_blocks(request.num_tokens, block_size))
-                num_cached = len(cached) * block_size
-                num_new, num_queried = min(request.num_tokens - num_cached, budget), request.num_tokens
-                if not self.kv_cache.allocate_slots(request, num_new, cached):
-                    break
-                request.num_computed_tokens = num_cached
+            cached = self.kv_cache.get_computed_blocks(request, max_cached_blocks(request.num_tokens, block_size))
+            num_cached = len(cached) * block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, cached):
+                break
+            request.num_computed_tokens = num_cached
             self.waiting.popleft()
             if self.kv_cache.prefix_caching:
-                self.prefix_cache_queries += num_queried
+                self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
-            request.start_running()
-            self.running.append(request)
-            out.scheduled.append(self._scheduled(request, num_new))
+            self._start(request, num_new, out)
             budget -= num_new
+
+    def _admit_reserved(self, out: SchedulerOutput, budget: int) -> int:
+        """Move reserved DECODE requests whose KV is ready into the running batch (in arrival
+        order); each loads its prompt KV before the step and computes its first token."""
+        for request in list(self.reserved):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self.kv_ready(request):
+                continue
+            self.reserved.remove(request)
+            request.num_computed_tokens = request.kv_handle.num_tokens
+            out.remote_loads.append(
+                RemoteLoad(request.request_id, request.kv_handle, list(request.block_table), request.kv_first_block)
+            )
+            num_new = request.num_tokens - request.num_computed_tokens
+            self._start(request, num_new, out)
+            budget -= num_new
+        return budget
+
+    def _start(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        request.start_running()
+        self.running.append(request)
+        out.scheduled.append(self._scheduled(request, num_new))
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -173,10 +249,12 @@ class Scheduler:
 
     def remove_running(self, request: Request, *, free: bool = True) -> None:
         """Take a request out of the queues; `free=False` keeps its blocks (PREFILL hand-off)."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        for queue in (self.running, self.waiting, self.reserved, self.waiting_for_kv):
+            if request in queue:
+                queue.remove(request)
+                break
+        if request in self.newly_reserved:
+            self.newly_reserved.remove(request)
         if free:
             self.kv_cache.free(request)
 
@@ -186,4 +264,5 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Requests not running: waiting for a slot or blocks, or for their remote KV."""
+        return len(self.waiting) + len(self.waiting_for_kv) + len(self.reserved)

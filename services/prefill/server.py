@@ -1,8 +1,8 @@
 """Prefill worker process: a gRPC adapter around an engine in PREFILL role.
 
 Prefill runs the prompt, samples the first token, and keeps the prompt's blocks pinned under a
-lease (`--kv-lease-seconds`, default 30 s) until a decode worker pulls them and calls ReleaseKV;
-a lapsed lease frees them (vLLM's NIXL KV-cache lease follows the same idea).
+lease (`--kv-lease-seconds`, default 30 s) that the decode worker renews while it wants them and
+ends with ReleaseKV; a lapsed lease frees them (`services/engine/kv_transfer/lease.py`).
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ import logging
 import threading
 import uuid
 
+from services.common import metrics
 from services.common.convert import handle_to_proto, logprobs_to_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop
 from services.common.errors import ServiceUnavailableError
 from services.common.kv_publisher import KVEventPublisher
-from services.common.prefix_index import make_prefix_index
 from services.common.kv_transfer_grpc import GrpcKVTransfer, KVTransferServicer
 from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.prefix_index import make_prefix_index
 from services.common.server import start_service, wait_for_termination
-from services.common.worker import AdminServicer, PinLeases, cache_salt, engine_config, next_output, worker_info
+from services.common.worker import AdminServicer, cache_salt, engine_config, next_output, worker_info
 from services.engine import Engine, EngineRole
 from services.engine.errors import InvalidRequestError
 
@@ -28,9 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
-    def __init__(self, loop: EngineLoop, leases: PinLeases) -> None:
+    def __init__(self, loop: EngineLoop) -> None:
         self.loop = loop
-        self.leases = leases
         self.draining = threading.Event()  # set on SIGTERM: new requests are refused
         self.kv_address = ""  # HOST:PORT of this process's KVTransfer service, set once bound
 
@@ -56,7 +56,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         if out.kv_handle is None:  # the first token already finished the request
             response.finish_reason = out.finish_reason
             return response
-        self.loop.call(lambda: self.leases.pinned(request_id))
         if not context.is_active():  # the router left as the prefill finished: no one will pull
             self.loop.abort(request_id)
         response.kv_handle.CopyFrom(handle_to_proto(out.kv_handle, self.kv_address))
@@ -68,13 +67,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
 def serve(args: argparse.Namespace) -> None:
     """Start the prefill worker, print its ready line, block until SIGINT/SIGTERM."""
-    transfer = GrpcKVTransfer("prefill")
+    transfer = GrpcKVTransfer("prefill", lease_s=args.kv_lease_seconds)
     engine = Engine(engine_config(args, EngineRole.PREFILL), transfer)
     loop = EngineLoop(engine, "prefill")
-    leases = PinLeases(loop, args.kv_lease_seconds)
-    loop.add_idle_hook(leases.expire)
-    prefill = PrefillServicer(loop, leases)
-    kv = KVTransferServicer(transfer, loop.call, engine.kv_cache.spec)
+
+    def expire_leases() -> None:  # nobody renewed them: the decode worker (or router) is gone
+        for request_id in transfer.expire_leases():
+            logger.warning("KV lease of %s lapsed: its blocks are freed", request_id)
+            metrics.KV_TRANSFER_FAILURES.labels("prefill", "lease_expired").inc()
+
+    loop.add_idle_hook(expire_leases)
+    prefill = PrefillServicer(loop)
+    kv = KVTransferServicer(transfer, loop.call, engine.kv_peer_info,
+                            stall_s=args.debug_kv_stall_seconds)
     service = start_service(
         "prefill",
         [
@@ -96,6 +101,7 @@ def serve(args: argparse.Namespace) -> None:
         if publisher is not None:
             publisher.stop()
         loop.stop()
+        transfer.close()
 
     print(service.ready_line(engine_id=engine.config.engine_id), flush=True)
 

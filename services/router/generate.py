@@ -12,6 +12,10 @@ errors are mapped by `services.common.errors.ErrorInterceptor`). Freeing work do
 - if the request ends after the prefill pinned its KV but before a decode worker reported the
   KV landed (client gone, stop string in the first token, Decode failed or was never started),
   the router calls `KVTransfer.ReleaseKV` on the prefill worker named in the handle.
+- if the prefill worker holding the KV dies (or loses it) before the KV landed, the decode
+  worker says so (UNAVAILABLE naming that worker in `pdserve-failed-peer`) and the router
+  prefills once more on another healthy prefill worker, keeping the first token the client
+  already has; with no other worker the client gets UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from services.common.convert import sampling_to_proto
-from services.common.errors import status_for
+from services.common.errors import ServiceUnavailableError, failed_peer, status_for
 from services.engine.errors import ResourceExhaustedError
 from services.common.pb import common_pb2, generate_pb2, worker_pb2
 from services.router.cancel import CancelScope, RequestCancelledError
@@ -115,27 +119,58 @@ class _RequestRun:
         self.kv_landed = False  # a decode worker reported the prompt KV arrived
         self.request_id = request.request_id
         self.prefill_address = ""
+        self.handle: common_pb2.KVHandle | None = None  # the pinned prompt KV, once prefilled
 
     def responses(self) -> Iterator[generate_pb2.GenerateResponse]:
         prepared = self._prepare()
         text = TextStream(self.flow.model.tokenizer, prepared.prompt_token_ids, prepared.stop)
         prefill = self._prefill(prepared)
-        handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
+        self.handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
         try:  # from here on the prefill worker may hold pinned KV for this request
             first = text.add([prefill.first_token_id])
             first_logprobs = [prefill.first_logprob] if prefill.HasField("first_logprob") else []
             finish = "stop" if first.stopped else prefill.finish_reason
-            if not finish and handle is None:
+            if not finish and self.handle is None:
                 raise RuntimeError("prefill worker returned neither a finish_reason nor a kv_handle")
             if finish:
                 yield self._final(first, text, finish, first_logprobs)
                 return
             yield self._message(first, first_logprobs)  # the first token goes out now: that is TTFT
-            yield from self._decode(prepared, handle, text)
+            yield from self._decode_or_retry(prepared, text)
         finally:
-            if handle is not None and not self.kv_landed:
-                # A worker that names no source serves its KV itself.
-                self._release_kv(handle.request_id or self.request_id, handle.source or self.prefill_address)
+            if self.handle is not None and not self.kv_landed:
+                self._release_kv(self.handle.request_id or self.request_id, self._kv_source())
+
+    def _kv_source(self) -> str:
+        """HOST:PORT serving the handle's KV (a worker that names no source serves it itself)."""
+        assert self.handle is not None
+        return self.handle.source or self.prefill_address
+
+    def _decode_or_retry(self, prepared: PreparedRequest, text: TextStream) -> Iterator[generate_pb2.GenerateResponse]:
+        """Decode; if the KV's prefill worker failed before the KV landed, prefill again on
+        another healthy worker (once) and decode from there."""
+        assert self.handle is not None
+        try:
+            yield from self._decode(prepared, self.handle, text)
+            return
+        except grpc.RpcError as exc:
+            lost = self._kv_source()
+            if self.kv_landed or exc.code() != grpc.StatusCode.UNAVAILABLE or failed_peer(exc) != lost:
+                raise
+            self.flow.pool.mark_unhealthy(lost)
+            if not [a for a in self.flow.pool.prefill if a != lost and a not in self.flow.pool.unhealthy]:
+                raise  # no other prefill worker: UNAVAILABLE
+            logger.warning("request %s: prefill worker %s lost its KV (%s); prefilling again elsewhere",
+                           self.request_id, lost, exc.details())
+        self._release_kv(self.handle.request_id or self.request_id, lost)  # best effort; its lease covers it
+        first_token_id = self.handle.first_token_id
+        self.handle = None
+        retried = self._prefill(prepared)
+        if not retried.HasField("kv_handle"):
+            raise ServiceUnavailableError(f"request {self.request_id}: the retried prefill returned no KV")
+        self.handle = retried.kv_handle
+        self.handle.first_token_id = first_token_id  # continue from the token the client already has
+        yield from self._decode(prepared, self.handle, text)
 
     def _remaining(self) -> float:
         """Seconds left until the deadline; TimeoutError when none are."""

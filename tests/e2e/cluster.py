@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -49,6 +50,12 @@ def start(*args: str) -> Proc:
             return Proc(process, ready, pids)
     process.kill()
     raise RuntimeError(f"pdserve {' '.join(args)} not ready in {START_TIMEOUT_S} s")
+
+
+def start_all(*commands: list[str]) -> list[Proc]:
+    """`start` several commands at once (each `pdserve ARGS` as a list); in the given order."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: start(*args), commands))
 
 
 def pid_alive(pid: int) -> bool:

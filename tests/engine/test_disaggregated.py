@@ -8,7 +8,7 @@ import random
 import pytest
 
 from services.engine import EngineRole, SamplingParams
-from services.engine.errors import InvalidRequestError
+from services.engine.errors import KVHandshakeError, InvalidRequestError
 from services.engine.kv_transfer import InMemoryKVTransfer, TransferStatus
 from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 
@@ -121,7 +121,7 @@ def test_abort_pinned_request_frees_blocks_and_revokes(tiny_llama):
     assert prefill.kv_cache.pool.num_used_blocks == 3
     prefill.abort("a")
     assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
-    assert transfer.status("a") == TransferStatus.RELEASED
+    assert transfer.status("a") == TransferStatus.REVOKED
     decode.add_request(list(range(2, 40)), SamplingParams(max_tokens=4, **GREEDY), request_id="a", kv_handle=out.kv_handle)
     decode.add_request([7, 8], SamplingParams(max_tokens=4, **GREEDY), request_id="b", kv_handle=_prefilled(prefill, "b"))
     outs = {o.request_id: o for o in decode.step()}
@@ -148,16 +148,6 @@ def test_abort_on_decode_before_admission_unpins_the_source(tiny_llama):
     assert not decode.has_unfinished_requests() and decode.step() == []
 
 
-def test_block_size_mismatch_is_refused_at_admission(tiny_llama):
-    transfer = InMemoryKVTransfer()
-    prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=64, kv_transfer=transfer)
-    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=64, kv_transfer=transfer, block_size=8)
-    handle = _prefilled(prefill, "a", prompt=range(2, 30))
-    with pytest.raises(InvalidRequestError, match="^kv_handle: 2 blocks cannot hold 28 tokens at block_size 8"):
-        decode.add_request(list(range(2, 30)), SamplingParams(max_tokens=4), request_id="a", kv_handle=handle)
-    assert not decode.has_unfinished_requests()
-
-
 def test_handle_must_match_the_request(tiny_llama):
     prefill, decode, transfer = _pair(tiny_llama)
     handle = _prefilled(prefill, "a", prompt=range(2, 30))
@@ -174,16 +164,19 @@ def test_handle_must_match_the_request(tiny_llama):
     assert not decode.has_unfinished_requests() and decode.kv_cache.pool.num_used_blocks == 0
 
 
-def test_dtype_mismatch_is_refused_without_harm(tiny_llama):
-    """KV from an engine with another dtype is never written into the cache."""
+def test_dtype_and_block_size_mismatch_is_refused_by_the_handshake(tiny_llama):
+    """KV from an engine with another dtype or block size is refused before any block is
+    reserved, with an error naming each differing field; the source unpins."""
     transfer = InMemoryKVTransfer()
     prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=64, kv_transfer=transfer)
-    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=64, kv_transfer=transfer, dtype="bfloat16")
+    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=64, kv_transfer=transfer, dtype="bfloat16",
+                         block_size=8)
     handle = _prefilled(prefill, "a", prompt=range(2, 30))
-    decode.add_request(list(range(2, 30)), SamplingParams(max_tokens=4, **GREEDY), request_id="a", kv_handle=handle)
-    (out,) = decode.step()
-    assert out.finished and out.finish_reason == "error"
-    assert decode.kv_cache.pool.num_free_blocks == 64
+    with pytest.raises(KVHandshakeError, match=r"dtype: float32 at the source \(prefill\), bfloat16 at the "
+                                               r"destination \(decode\); block_size: 16 at the source"):
+        decode.add_request(list(range(2, 30)), SamplingParams(max_tokens=4, **GREEDY), request_id="a",
+                           kv_handle=handle)
+    assert not decode.requests and decode.kv_cache.pool.num_free_blocks == 64
     assert prefill.kv_cache.pool.num_free_blocks == 64  # the source was told to unpin
     decode.check_integrity()
 

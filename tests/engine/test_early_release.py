@@ -4,7 +4,7 @@ prefill ran) unpins the blocks as soon as they are published."""
 from __future__ import annotations
 
 from services.engine import EngineRole, SamplingParams
-from services.engine.kv_transfer.base import TransferStatus
+from services.engine.kv_transfer import TransferStatus
 from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
 from tests.engine.helpers import GREEDY, make_engine
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from services.common.kv_transfer_grpc import GrpcKVTransfer, KVTransferServicer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import start_service
 from services.engine import EngineRole, SamplingParams
-from services.engine.errors import KVTransferError
+from services.engine.errors import KVHandshakeError, KVTransferError
 from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 
 
@@ -21,11 +23,18 @@ def prefill_side(tiny_llama):
     engine = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=256, block_size=4, kv_transfer=transfer)
     block_bytes = engine.kv_cache.spec.bytes_per_block
     # The test drives the engine itself, one call at a time, so the servicer may touch it directly.
-    servicer = KVTransferServicer(transfer, lambda fn: fn(), engine.kv_cache.spec, chunk_bytes=3 * block_bytes)
+    servicer = KVTransferServicer(transfer, lambda fn: fn(), engine.kv_peer_info, chunk_bytes=3 * block_bytes)
     service = start_service("prefill", [(worker_pb2_grpc.add_KVTransferServicer_to_server, servicer,
                                          "pdserve.v1.KVTransfer")], "127.0.0.1", 0, 0)
     yield engine, service.grpc_address, block_bytes
     service.server.stop(0)
+
+
+def _wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
 
 
 def _prefill(engine, request_id: str, prompt: list[int]):
@@ -50,12 +59,15 @@ def test_pull_streams_bounded_chunks_and_decodes_like_both(tiny_llama, prefill_s
     decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=256, block_size=4, kv_transfer=transfer)
     transfer.set_source("r", address)
     decode.add_request(prompt, SamplingParams(max_tokens=8, **GREEDY), request_id="r", kv_handle=handle)
+    assert not decode.has_unfinished_requests()  # reserved: nothing to step until the KV is here
+    assert decode.take_reserved() == [("r", 0)]
+    transfer.prefetch(handle, 0)
     outs = {}
     while decode.has_unfinished_requests():
         for out in decode.step():
             outs[out.request_id] = out.output_token_ids
     assert decode.scheduler.num_prompt_tokens_computed == 0
-    assert prefill.kv_cache.pool.num_used_blocks == 0  # ReleaseKV unpinned the source
+    _wait_for(lambda: prefill.kv_cache.pool.num_used_blocks == 0)  # ReleaseKV (sent async) unpinned it
     both, _ = run_to_completion(make_engine(tiny_llama, num_blocks=256, block_size=4),
                                 {"r": (prompt, SamplingParams(max_tokens=8, **GREEDY))})
     assert outs["r"] == both["r"]
@@ -108,4 +120,58 @@ def test_partial_pulls_skip_cached_blocks_and_refetch_what_was_evicted(tiny_llam
     transfer.prefetch(handle, first_block=10)  # every block cached: nothing to pull
     assert transfer.bytes_transferred == 16 * block_bytes
     transfer.complete(handle)
-    assert prefill.kv_cache.pool.num_used_blocks == 0
+    _wait_for(lambda: prefill.kv_cache.pool.num_used_blocks == 0)
+
+
+def _counter(name: str, **labels) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(block_size=8), r"block_size: 4 at the source \(prefill\), 8 at the destination \(decode\)"),
+    (dict(dtype="bfloat16"), r"dtype: float32 at the source \(prefill\), bfloat16 at the destination"),
+])
+def test_handshake_refuses_another_layout_on_both_sides(tiny_llama, prefill_side, overrides, field):
+    prefill, address, _ = prefill_side
+    handle = _prefill(prefill, "h", list(range(3, 20)))
+    refused_before = _counter("pdserve_kv_transfer_failures_total", role="prefill", reason="handshake")
+    transfer = GrpcKVTransfer("decode", timeout_s=5)
+    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=64, kv_transfer=transfer,
+                         **{"block_size": 4, **overrides})
+    transfer.set_source("h", address)
+    with pytest.raises(KVHandshakeError, match=field):
+        decode.add_request(list(range(3, 20)), SamplingParams(max_tokens=4, **GREEDY), request_id="h", kv_handle=handle)
+    # The source refused too (FAILED_PRECONDITION, counted), and was told to unpin.
+    assert _counter("pdserve_kv_transfer_failures_total", role="prefill", reason="handshake") == refused_before + 1
+    _wait_for(lambda: prefill.kv_cache.pool.num_used_blocks == 0)
+    assert not decode.requests and decode.kv_cache.pool.num_used_blocks == 0
+    transfer.close()
+
+
+def test_the_destination_renews_leases_while_it_wants_the_kv(tiny_llama, prefill_side):
+    """A 0.6 s lease stays alive for 2 s while the destination holds the request (renewals every
+    0.2 s), and lapses within a lease once it lets go; late messages then change nothing."""
+    prefill, address, _ = prefill_side
+    prefill.kv_transfer.leases.lease_s = 0.6
+    handle = _prefill(prefill, "kept", list(range(3, 20)))
+    transfer = GrpcKVTransfer("decode", timeout_s=5)
+    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=64, block_size=4, kv_transfer=transfer)
+    transfer.set_source("kept", address)
+    transfer.connect(handle, decode.kv_peer_info)  # learns the source's 0.6 s lease
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        assert prefill.kv_transfer.expire_leases() == []
+        time.sleep(0.05)
+    assert prefill.num_pinned_blocks == len(handle.block_ids)
+    transfer.forget("kept")
+    lapsed_at = time.monotonic() + 0.6 + 0.3
+    while not prefill.kv_transfer.expire_leases():
+        assert time.monotonic() < lapsed_at, "the lease did not lapse"
+        time.sleep(0.02)
+    assert prefill.num_pinned_blocks == 0
+    stub = worker_pb2_grpc.KVTransferStub(__import__("grpc").insecure_channel(address))
+    assert list(stub.RenewKVLease(worker_pb2.RenewKVLeaseRequest(request_ids=["kept", "never"])).renewed) == [False, False]
+    assert not stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id="kept")).released  # late: harmless
+    transfer.close()

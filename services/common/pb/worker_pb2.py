@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x80\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\xb5\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"\xa8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x9e\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"\x19\n\x17ResetPrefixCacheRequest\"K\n\x18ResetPrefixCacheResponse\x12\x13\n\x0bnum_workers\x18\x01 \x01(\x05\x12\x1a\n\x12num_hashes_dropped\x18\x02 \x01(\x03\"J\n\rPullKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\"g\n\x07KVChunk\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x62lock_offset\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x89\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\x87\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2f\n\x05\x41\x64min\x12]\n\x10ResetPrefixCache\x12#.pdserve.v1.ResetPrefixCacheRequest\x1a$.pdserve.v1.ResetPrefixCacheResponse2\x92\x01\n\nKVTransfer\x12:\n\x06PullKV\x12\x19.pdserve.v1.PullKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x80\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\xb5\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"\xa8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x9e\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"\x19\n\x17ResetPrefixCacheRequest\"K\n\x18ResetPrefixCacheResponse\x12\x13\n\x0bnum_workers\x18\x01 \x01(\x05\x12\x1a\n\x12num_hashes_dropped\x18\x02 \x01(\x03\"_\n\x12KVHandshakeRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x11\n\tengine_id\x18\x03 \x01(\t\"w\n\x13KVHandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\"*\n\x13RenewKVLeaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\'\n\x14RenewKVLeaseResponse\x12\x0f\n\x07renewed\x18\x01 \x03(\x08\"J\n\rPullKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\"g\n\x07KVChunk\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x62lock_offset\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x89\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\x87\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2f\n\x05\x41\x64min\x12]\n\x10ResetPrefixCache\x12#.pdserve.v1.ResetPrefixCacheRequest\x1a$.pdserve.v1.ResetPrefixCacheResponse2\xb3\x02\n\nKVTransfer\x12L\n\tHandshake\x12\x1e.pdserve.v1.KVHandshakeRequest\x1a\x1f.pdserve.v1.KVHandshakeResponse\x12:\n\x06PullKV\x12\x19.pdserve.v1.PullKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12Q\n\x0cRenewKVLease\x12\x1f.pdserve.v1.RenewKVLeaseRequest\x1a .pdserve.v1.RenewKVLeaseResponse\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,20 +44,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=736
   _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=738
   _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=813
-  _globals['_PULLKVREQUEST']._serialized_start=815
-  _globals['_PULLKVREQUEST']._serialized_end=889
-  _globals['_KVCHUNK']._serialized_start=891
-  _globals['_KVCHUNK']._serialized_end=994
-  _globals['_RELEASEKVREQUEST']._serialized_start=996
-  _globals['_RELEASEKVREQUEST']._serialized_end=1034
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1036
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1073
-  _globals['_PREFILL']._serialized_start=1076
-  _globals['_PREFILL']._serialized_end=1213
-  _globals['_DECODE']._serialized_start=1216
-  _globals['_DECODE']._serialized_end=1351
-  _globals['_ADMIN']._serialized_start=1353
-  _globals['_ADMIN']._serialized_end=1455
-  _globals['_KVTRANSFER']._serialized_start=1458
-  _globals['_KVTRANSFER']._serialized_end=1604
+  _globals['_KVHANDSHAKEREQUEST']._serialized_start=815
+  _globals['_KVHANDSHAKEREQUEST']._serialized_end=910
+  _globals['_KVHANDSHAKERESPONSE']._serialized_start=912
+  _globals['_KVHANDSHAKERESPONSE']._serialized_end=1031
+  _globals['_RENEWKVLEASEREQUEST']._serialized_start=1033
+  _globals['_RENEWKVLEASEREQUEST']._serialized_end=1075
+  _globals['_RENEWKVLEASERESPONSE']._serialized_start=1077
+  _globals['_RENEWKVLEASERESPONSE']._serialized_end=1116
+  _globals['_PULLKVREQUEST']._serialized_start=1118
+  _globals['_PULLKVREQUEST']._serialized_end=1192
+  _globals['_KVCHUNK']._serialized_start=1194
+  _globals['_KVCHUNK']._serialized_end=1297
+  _globals['_RELEASEKVREQUEST']._serialized_start=1299
+  _globals['_RELEASEKVREQUEST']._serialized_end=1337
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1339
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1376
+  _globals['_PREFILL']._serialized_start=1379
+  _globals['_PREFILL']._serialized_end=1516
+  _globals['_DECODE']._serialized_start=1519
+  _globals['_DECODE']._serialized_end=1654
+  _globals['_ADMIN']._serialized_start=1656
+  _globals['_ADMIN']._serialized_end=1758
+  _globals['_KVTRANSFER']._serialized_start=1761
+  _globals['_KVTRANSFER']._serialized_end=2068
 # @@protoc_insertion_point(module_scope)

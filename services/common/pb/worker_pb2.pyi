@@ -73,6 +73,40 @@ class ResetPrefixCacheResponse(_message.Message):
     num_hashes_dropped: int
     def __init__(self, num_workers: _Optional[int] = ..., num_hashes_dropped: _Optional[int] = ...) -> None: ...
 
+class KVHandshakeRequest(_message.Message):
+    __slots__ = ("model_id", "layout", "engine_id")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    layout: _common_pb2.KVLayout
+    engine_id: str
+    def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class KVHandshakeResponse(_message.Message):
+    __slots__ = ("engine_id", "model_id", "layout", "lease_seconds")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    model_id: str
+    layout: _common_pb2.KVLayout
+    lease_seconds: float
+    def __init__(self, engine_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class RenewKVLeaseRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RenewKVLeaseResponse(_message.Message):
+    __slots__ = ("renewed",)
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    renewed: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, renewed: _Optional[_Iterable[bool]] = ...) -> None: ...
+
 class PullKVRequest(_message.Message):
     __slots__ = ("handle", "first_block")
     HANDLE_FIELD_NUMBER: _ClassVar[int]

@@ -345,7 +345,8 @@ class Admin:
 
 
 class KVTransferStub:
-    """Served by prefill workers: decode workers pull pinned blocks and release them.
+    """Served by prefill workers: decode workers handshake, pull pinned blocks, renew their leases
+    and release them.
     """
 
     def __init__(self, channel):
@@ -354,10 +355,20 @@ class KVTransferStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Handshake = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/Handshake',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KVHandshakeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KVHandshakeResponse.FromString,
+                _registered_method=True)
         self.PullKV = channel.unary_stream(
                 '/pdserve.v1.KVTransfer/PullKV',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PullKVRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.KVChunk.FromString,
+                _registered_method=True)
+        self.RenewKVLease = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/RenewKVLease',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.RenewKVLeaseRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.RenewKVLeaseResponse.FromString,
                 _registered_method=True)
         self.ReleaseKV = channel.unary_unary(
                 '/pdserve.v1.KVTransfer/ReleaseKV',
@@ -367,11 +378,28 @@ class KVTransferStub:
 
 
 class KVTransferServicer:
-    """Served by prefill workers: decode workers pull pinned blocks and release them.
+    """Served by prefill workers: decode workers handshake, pull pinned blocks, renew their leases
+    and release them.
     """
 
+    def Handshake(self, request, context):
+        """Before the first pull from a worker: each side compares model id and KV layout; any
+        difference is refused with FAILED_PRECONDITION naming the fields.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PullKV(self, request, context):
-        """Streams the handle's blocks in chunks of at most 4 MiB of KV bytes each.
+        """Streams the handle's blocks in chunks of at most 4 MiB of KV bytes each; the request's lease
+        cannot lapse while a pull is in progress.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewKVLease(self, request, context):
+        """The caller still wants these requests' KV: each lease runs lease_seconds from now.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -387,10 +415,20 @@ class KVTransferServicer:
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Handshake': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handshake,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KVHandshakeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KVHandshakeResponse.SerializeToString,
+            ),
             'PullKV': grpc.unary_stream_rpc_method_handler(
                     servicer.PullKV,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PullKVRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.KVChunk.SerializeToString,
+            ),
+            'RenewKVLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewKVLease,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.RenewKVLeaseRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.RenewKVLeaseResponse.SerializeToString,
             ),
             'ReleaseKV': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKV,
@@ -406,8 +444,36 @@ def add_KVTransferServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVTransfer:
-    """Served by prefill workers: decode workers pull pinned blocks and release them.
+    """Served by prefill workers: decode workers handshake, pull pinned blocks, renew their leases
+    and release them.
     """
+
+    @staticmethod
+    def Handshake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/Handshake',
+            pdserve_dot_v1_dot_worker__pb2.KVHandshakeRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KVHandshakeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def PullKV(request,
@@ -426,6 +492,33 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/PullKV',
             pdserve_dot_v1_dot_worker__pb2.PullKVRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.KVChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewKVLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/RenewKVLease',
+            pdserve_dot_v1_dot_worker__pb2.RenewKVLeaseRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.RenewKVLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,25 +1,27 @@
 """The KV-transfer interface shared by every backend (in-memory here; gRPC in services/common).
 
 Pull model (as vLLM's NixlConnector): the PREFILL engine keeps a finished request's blocks pinned
-and publishes a `KVHandle`; the DECODE engine pulls the blocks it lacks through the handle, writes
-them into its own cache, then calls `complete()` so the source releases the pin exactly once.
+under a lease (`lease.py`) and publishes a `KVHandle`. The DECODE engine reserves blocks of its
+own, handshakes with the source once (`handshake.py`), pulls the blocks it lacks through the
+handle, writes them into its cache, then calls `complete()` so the source releases the pin
+exactly once. A destination that dies stops renewing the lease, and the source frees the blocks
+when it lapses.
 """
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from services.engine.kv_transfer.handshake import KVPeerInfo
+    from services.engine.kv_transfer.lease import TransferStatus
 
-class TransferStatus(enum.Enum):
-    """Lifecycle of one request's transfer."""
-
-    PUBLISHED = "published"  # source holds the blocks pinned, waiting for a pull
-    COMPLETED = "completed"  # destination confirmed; source released the pin
-    RELEASED = "released"  # source released without a completion (abort or lease expiry)
+# Axis order of every transferred tensor (C order), the KV cache's own layout per block.
+KV_TENSOR_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,11 @@ class KVHandle:
 class KVSource(ABC):
     """The source side of a transfer: an engine that can read and release pinned blocks."""
 
+    @property
+    @abstractmethod
+    def kv_peer_info(self) -> KVPeerInfo:
+        """This engine's model and KV layout, for handshakes."""
+
     @abstractmethod
     def read_kv(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
         """K/V of the handle's blocks from `first_block` on:
@@ -55,7 +62,12 @@ class KVSource(ABC):
 
 
 class KVTransfer(ABC):
-    """Moves pinned prompt blocks from a source engine to a destination engine."""
+    """Moves pinned prompt blocks from a source engine to a destination engine.
+
+    Source-side methods run on the source engine's thread; `renew` and `status` may run on any.
+    """
+
+    # -- source side ---------------------------------------------------------------------------
 
     @abstractmethod
     def register_source(self, engine_id: str, source: KVSource) -> None:
@@ -63,25 +75,51 @@ class KVTransfer(ABC):
 
     @abstractmethod
     def publish(self, handle: KVHandle) -> None:
-        """Source side: the handle's blocks are pinned and may be pulled."""
+        """The handle's blocks are pinned and may be pulled; their lease starts now. A
+        completion that arrived before the publish (the client cancelled while the prefill ran)
+        releases the pin at once."""
+
+    @abstractmethod
+    def revoke(self, request_id: str) -> None:
+        """The source aborted the request: its pin goes away without a completion; later pulls
+        fail with RequestNotFoundError."""
+
+    @abstractmethod
+    def renew(self, request_id: str) -> bool:
+        """Extend the request's lease by the lease length from now; False if it already ended
+        (the destination should give up on it)."""
+
+    @abstractmethod
+    def expire_leases(self) -> list[str]:
+        """Release every pin whose lease lapsed with no pull in progress; returns their ids."""
+
+    @abstractmethod
+    def status(self, request_id: str) -> TransferStatus | None:
+        """Current status of a request's transfer, or None if never published here."""
+
+    # -- destination side ----------------------------------------------------------------------
+
+    @abstractmethod
+    def connect(self, handle: KVHandle, local: KVPeerInfo) -> None:
+        """Handshake with the handle's source (once per source): raises KVHandshakeError naming
+        each field where its model or KV layout differs from `local`, KVTransferError when it
+        cannot be reached."""
+
+    @abstractmethod
+    def is_ready(self, handle: KVHandle) -> bool:
+        """Whether `pull` can return the handle's blocks now without waiting on a network (a
+        source in this process, or a copy already fetched)."""
 
     @abstractmethod
     def pull(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
-        """Destination side: fetch the handle's blocks from `first_block` on (the ones before it
-        are in the destination's own prefix cache); shape as `KVSource.read_kv`.
+        """Fetch the handle's blocks from `first_block` on (the ones before it are in the
+        destination's own prefix cache); shape as `KVSource.read_kv`.
 
-        Raises RequestNotFoundError for an unknown or released handle.
+        Raises RequestNotFoundError for an unknown or released handle, KVTransferError when
+        the source cannot be reached in time.
         """
 
     @abstractmethod
     def complete(self, handle: KVHandle) -> None:
-        """Destination side: done with the handle (the KV landed, or the request was aborted
-        before pulling); the source may free its blocks. Idempotent."""
-
-    @abstractmethod
-    def revoke(self, request_id: str) -> None:
-        """Source side: the pin went away without a completion (abort); later pulls fail."""
-
-    @abstractmethod
-    def status(self, request_id: str) -> TransferStatus | None:
-        """Current status of a request's transfer, or None if never published."""
+        """Done with the handle (the KV landed, or the request ended before it did): the source
+        may free its blocks. Idempotent; a late or duplicate call is harmless."""

@@ -2,32 +2,27 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import torch
 
 from services.engine.errors import RequestNotFoundError
-from services.engine.kv_transfer.base import KVHandle, KVSource, KVTransfer, TransferStatus
-
-
-# How long a release that arrived before its publish is remembered (seconds); longer than any
-# prefill a cancelled client could still be waiting on.
-EARLY_RELEASE_TTL_S = 600.0
+from services.engine.kv_transfer.base import KVHandle, KVSource, KVTransfer
+from services.engine.kv_transfer.handshake import KVPeerInfo, check_compatible
+from services.engine.kv_transfer.lease import DEFAULT_LEASE_S, LeaseTable, TransferStatus
 
 
 class InMemoryKVTransfer(KVTransfer):
-    """Pulls blocks by copying tensors straight out of the source engine's cache."""
+    """Pulls blocks by copying tensors straight out of the source engine's cache.
 
-    def __init__(self) -> None:
+    `lease_s`: seconds a pinned request's blocks stay pinned without a renewal or a pull.
+    """
+
+    def __init__(self, lease_s: float = DEFAULT_LEASE_S) -> None:
         self._sources: dict[str, KVSource] = {}
-        self._status: dict[str, TransferStatus] = {}
+        self.leases = LeaseTable(lease_s)
         self._owner: dict[str, str] = {}  # request_id -> engine_id of the source that published it
-        # request_id -> when a release came for a request not published yet (a client that
-        # cancelled while its prefill ran): its publish unpins at once.
-        self._released_early: dict[str, float] = {}
-        self._lock = threading.Lock()
         self.bytes_transferred = 0
+
+    # -- source side ---------------------------------------------------------------------------
 
     def register_source(self, engine_id: str, source: KVSource) -> None:
         self._sources[engine_id] = source
@@ -37,48 +32,65 @@ class InMemoryKVTransfer(KVTransfer):
         return handle.engine_id in self._sources
 
     def publish(self, handle: KVHandle) -> None:
-        with self._lock:
-            self._status[handle.request_id] = TransferStatus.PUBLISHED
-            self._owner[handle.request_id] = handle.engine_id
-            released_early = self._released_early.pop(handle.request_id, None) is not None
-        if released_early:
-            self.release(handle.request_id)
+        self._owner[handle.request_id] = handle.engine_id
+        if not self.leases.publish(handle.request_id):
+            self._release_pin(handle.request_id)
+
+    def revoke(self, request_id: str) -> None:
+        self.leases.revoke(request_id)
+        self._owner.pop(request_id, None)
+
+    def renew(self, request_id: str) -> bool:
+        return self.leases.renew(request_id)
+
+    def expire_leases(self) -> list[str]:
+        expired = self.leases.expire_due()
+        for request_id in expired:
+            self._release_pin(request_id)
+        return expired
+
+    def release(self, request_id: str) -> bool:
+        """A destination is done with the request's KV: unpin it at its source. False if this
+        call ended nothing (late, duplicate, or before the publish: then the publish unpins)."""
+        if not self.leases.complete(request_id):
+            return False
+        self._release_pin(request_id)
+        return True
+
+    def status(self, request_id: str) -> TransferStatus | None:
+        return self.leases.status(request_id)
+
+    def read(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
+        """A copy of a published handle's blocks, taken under a pull (so its lease cannot lapse
+        meanwhile). Raises RequestNotFoundError for an unknown or ended transfer."""
+        source = self._sources.get(handle.engine_id)
+        if source is None:
+            raise RequestNotFoundError(f"no source engine {handle.engine_id!r} in this process")
+        self.leases.begin_pull(handle.request_id)
+        try:
+            return source.read_kv(handle, first_block)
+        finally:
+            self.leases.end_pull(handle.request_id)
+
+    def _release_pin(self, request_id: str) -> None:
+        engine_id = self._owner.pop(request_id, None)
+        if engine_id is not None:
+            self._sources[engine_id].release_kv(request_id)
+
+    # -- destination side ----------------------------------------------------------------------
+
+    def connect(self, handle: KVHandle, local: KVPeerInfo) -> None:
+        source = self._sources.get(handle.engine_id)
+        if source is not None:
+            check_compatible(source.kv_peer_info, local, f"engine {handle.engine_id}")
+
+    def is_ready(self, handle: KVHandle) -> bool:
+        return self.is_local(handle)
 
     def pull(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
-        with self._lock:
-            source = self._sources.get(handle.engine_id)
-            if self._status.get(handle.request_id) != TransferStatus.PUBLISHED or source is None:
-                raise RequestNotFoundError(f"no published KV for request {handle.request_id!r}")
-        data = source.read_kv(handle, first_block)
+        data = self.read(handle, first_block)
         self.bytes_transferred += data.numel() * data.element_size()
         return data
 
     def complete(self, handle: KVHandle) -> None:
         self.release(handle.request_id)
-
-    def release(self, request_id: str) -> bool:
-        """Mark a published transfer completed and unpin it at its source; False if not published
-        (late or duplicate completions are harmless). A release for a request never published
-        is remembered for `EARLY_RELEASE_TTL_S`, so its publish unpins at once."""
-        with self._lock:
-            status = self._status.get(request_id)
-            if status is None:
-                now = time.monotonic()
-                self._released_early = {
-                    rid: t for rid, t in self._released_early.items() if now - t < EARLY_RELEASE_TTL_S
-                }
-                self._released_early[request_id] = now
-            if status != TransferStatus.PUBLISHED:
-                return False
-            self._status[request_id] = TransferStatus.COMPLETED
-            source = self._sources[self._owner[request_id]]
-        source.release_kv(request_id)
-        return True
-
-    def revoke(self, request_id: str) -> None:
-        with self._lock:
-            if self._status.get(request_id) == TransferStatus.PUBLISHED:
-                self._status[request_id] = TransferStatus.RELEASED
-
-    def status(self, request_id: str) -> TransferStatus | None:
-        return self._status.get(request_id)
