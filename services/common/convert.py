@@ -92,24 +92,5 @@ def peer_info_from_proto(model_id: str, msg: common_pb2.KVLayout) -> KVPeerInfo:
                       msg.block_size, msg.layout)
 
 
-def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
-    """Raw C-order bytes of a CPU copy (bfloat16 goes through an int16 view; numpy lacks it)."""
-    tensor = tensor.detach().to("cpu").contiguous()
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy().tobytes()
-
-
-def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """Inverse of `tensor_to_bytes`; raises ValueError if the byte count does not fit the shape."""
-    storage_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
-    expected = torch.Size(shape).numel() * torch.empty((), dtype=storage_dtype).element_size()
-    if len(data) != expected:
-        raise ValueError(f"kv chunk: {len(data)} bytes do not fill {shape} {dtype} ({expected} bytes)")
-    flat = torch.frombuffer(bytearray(data), dtype=storage_dtype)
-    flat = flat.view(torch.bfloat16) if dtype == torch.bfloat16 else flat
-    return flat.view(shape)
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES[dtype]

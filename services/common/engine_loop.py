@@ -43,6 +43,7 @@ class EngineLoop:
         self._calls: queue.Queue[tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._streams: dict[str, queue.Queue[RequestOutput | KVReserved | BaseException]] = {}
         self._hooks: list[Callable[[], None]] = []
+        self._claims: set[str] = set()  # KVReserved delivered, their receiver's kv_written not yet run
         self._stopped = False
         self.max_step_tokens_per_request = 0
         self._last_counts = {"preemptions": 0, "queries": 0, "hits": 0}  # engine totals already exported
@@ -86,16 +87,21 @@ class EngineLoop:
         self._calls.put((fn, future))
         return future.result(timeout=timeout)
 
-    def wake(self) -> None:
-        """Make an idle loop look at the engine now (a reserved request's KV became ready)."""
-        self._calls.put((lambda: None, Future()))
+    def post(self, fn: Callable[[], object]) -> None:
+        """Run `fn()` on the loop thread soon, without waiting for it (errors are logged)."""
+        if self._stopped:
+            raise ShuttingDownError("the worker is shutting down")
+        future: Future = Future()
+        future.add_done_callback(lambda f: f.exception() and logger.error("posted call failed: %r", f.exception()))
+        self._calls.put((fn, future))
 
     def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_handle: KVHandle | None = None,
         cache_salt: str | None = None,
     ) -> queue.Queue[RequestOutput | KVReserved | BaseException]:
         """Add a request; its outputs (or an exception) arrive on the returned queue. A DECODE
-        request first gets a `KVReserved` once its blocks are reserved.
+        request first gets a `KVReserved` once its blocks are reserved: the receiver writes the
+        pulled KV into them, then calls `kv_written` (and, as every caller, `abort` at its end).
 
         Raises the engine's InvalidRequestError / ResourceExhaustedError / KVHandshakeError
         synchronously.
@@ -117,6 +123,8 @@ class EngineLoop:
 
         def abort() -> bool:
             self._streams.pop(request_id, None)
+            if request_id in self._claims:  # reserved, but its receiver left before writing
+                self._kv_written(request_id, ok=False)
             if request_id not in self.engine.requests and request_id not in self.engine.pinned:
                 return False
             self.engine.abort(request_id)
@@ -136,10 +144,21 @@ class EngineLoop:
             self._run_hooks()
 
     def _deliver_reserved(self) -> None:
-        for request_id, first_block in self.engine.take_reserved():
-            stream = self._streams.get(request_id)
+        for reserved in self.engine.take_reserved(claim_writes=True):  # the RPC thread writes the KV
+            stream = self._streams.get(reserved.request_id)
             if stream is not None:
-                stream.put(KVReserved(request_id, first_block))
+                self._claims.add(reserved.request_id)
+                stream.put(reserved)
+            else:  # its RPC already ended: nobody will write
+                self.engine.kv_written(reserved.request_id, ok=False)
+
+    def kv_written(self, request_id: str, ok: bool) -> None:
+        """The receiver of a `KVReserved` is done writing (`ok`: all of it); does not wait."""
+        self.post(lambda: self._kv_written(request_id, ok))
+
+    def _kv_written(self, request_id: str, ok: bool) -> None:
+        self._claims.discard(request_id)
+        self.engine.kv_written(request_id, ok)
 
     def _run_calls(self, block: bool) -> None:
         """Run every queued call; when `block`, first wait up to POLL_SECONDS for one."""

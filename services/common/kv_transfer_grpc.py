@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import grpc
@@ -27,12 +28,11 @@ from services.common.convert import (
     layout_from_proto,
     peer_info_from_proto,
     peer_info_to_proto,
-    tensor_from_bytes,
-    tensor_to_bytes,
 )
+from services.common.kv_wire import decode_chunk, encode_chunk
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import GRPC_OPTIONS
-from services.engine.errors import KVHandshakeError, KVTransferError, RequestNotFoundError
+from services.engine.errors import InvalidRequestError, KVHandshakeError, KVTransferError, RequestNotFoundError
 from services.engine.kv_cache import KVCacheSpec
 from services.engine.kv_transfer.base import KVHandle
 from services.engine.kv_transfer.handshake import KVPeerInfo, check_compatible, mismatches
@@ -42,6 +42,8 @@ from services.engine.kv_transfer.lease import DEFAULT_LEASE_S
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 * 1024 * 1024
+PULL_KV_METHOD = "/pdserve.v1.KVTransfer/PullKV"
+_STORAGE_DTYPES = {torch.bfloat16: torch.int16}  # frombuffer-able stand-ins (same bytes)
 HANDSHAKE_TIMEOUT_S = 5.0
 RELEASE_TIMEOUT_S = 30.0
 RENEW_TICK_S = 0.05  # a prefill worker answers between engine steps, which can take seconds
@@ -52,9 +54,11 @@ class GrpcKVTransfer(InMemoryKVTransfer):
     """Source bookkeeping (leases) as in memory; the destination side goes over gRPC.
 
     `set_source(request_id, address)` tells the destination where a handle's blocks live;
-    `forget(request_id)` ends its interest (the RPC that wanted it is over). `timeout_s`: the
-    longest one pull may take. `zero_block` (test-only fault injection) zeroes one received
-    block, to prove the decode worker really computes from the transferred KV.
+    `forget(request_id)` ends its interest (the RPC that wanted it is over). `pull_chunks`
+    streams the KV as it arrives (the decode worker writes each chunk straight into the
+    request's reserved blocks). `timeout_s`: the longest one pull may take. `zero_block`
+    (test-only fault injection) zeroes one received block, to prove the decode worker really
+    computes from the transferred KV.
     """
 
     def __init__(self, role: str, timeout_s: float = 30.0, lease_s: float = DEFAULT_LEASE_S,
@@ -68,8 +72,6 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self.pull_seconds: dict[str, float] = {}  # request_id -> seconds its last pull took
-        # request_id -> (first block, KV of the blocks from it on) pulled ahead of the engine
-        self._prefetched: dict[str, tuple[int, torch.Tensor]] = {}
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
         self.engine_id = ""  # the local engine's id, learned at register_source
@@ -88,10 +90,9 @@ class GrpcKVTransfer(InMemoryKVTransfer):
                 self._renewer.start()
 
     def forget(self, request_id: str) -> None:
-        """Stop renewing the request's lease and drop any copy the engine never took."""
+        """Stop renewing the request's lease and forget its timings."""
         with self._lock:
             self._addresses.pop(request_id, None)
-            self._prefetched.pop(request_id, None)
             self.pull_seconds.pop(request_id, None)
 
     def close(self) -> None:
@@ -102,11 +103,14 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         for channel in channels:
             channel.close()
 
-    def _stub(self, address: str) -> worker_pb2_grpc.KVTransferStub:
+    def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
             if address not in self._channels:
                 self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-            return worker_pb2_grpc.KVTransferStub(self._channels[address])
+            return self._channels[address]
+
+    def _stub(self, address: str) -> worker_pb2_grpc.KVTransferStub:
+        return worker_pb2_grpc.KVTransferStub(self._channel(address))
 
     def _failure(self, request_id: str, address: str, exc: grpc.RpcError, what: str) -> KVTransferError:
         reason = exc.code().name.lower()
@@ -179,65 +183,58 @@ class GrpcKVTransfer(InMemoryKVTransfer):
 
     # -- pulls ---------------------------------------------------------------------------------
 
-    def prefetch(self, handle: KVHandle, first_block: int = 0) -> None:
-        """Pull the handle's blocks from `first_block` on now, on the calling thread.
-
-        The decode worker calls this from its RPC thread once the engine has reserved the
-        request's blocks, so a slow or busy prefill worker delays only this request, never the
-        running batch; the engine's later `pull` takes the copy. Raises KVTransferError.
-        """
-        if first_block >= len(handle.block_ids):
-            return  # the local prefix cache holds every prompt block
-        data = self._pull_remote(handle, first_block)
-        with self._lock:
-            if handle.request_id in self._addresses:  # still wanted
-                self._prefetched[handle.request_id] = (first_block, data)
-
-    def is_ready(self, handle: KVHandle) -> bool:
-        return self.is_local(handle) or handle.request_id in self._prefetched
-
-    def pull(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
-        with self._lock:
-            prefetched = self._prefetched.pop(handle.request_id, None)
-        if prefetched is not None and prefetched[0] <= first_block:
-            return prefetched[1][:, :, first_block - prefetched[0]:]
+    def pull(self, handle: KVHandle, first_block: int = 0) -> list[torch.Tensor]:
         if self.is_local(handle):
             return super().pull(handle, first_block)
-        return self._pull_remote(handle, first_block)
+        return [piece for _, piece in self.pull_chunks(handle, first_block)]
 
-    def _pull_remote(self, handle: KVHandle, first_block: int) -> torch.Tensor:
+    def pull_chunks(self, handle: KVHandle, first_block: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
+        """(block offset from `first_block`, KV of the next blocks) as each chunk arrives: a
+        read-only view of the received message, [num_layers, 2, n, block_size, num_kv_heads,
+        head_dim]; together they cover the handle's blocks from `first_block` on, in order.
+        Raises KVTransferError (the stream failed, stalled past `timeout_s`, or was malformed)."""
+        if first_block >= len(handle.block_ids):
+            return  # the destination's prefix cache holds every block
         address = self._address(handle)
-        start = time.perf_counter()
+        start, nbytes = time.perf_counter(), 0
         try:
-            data = self._stream(handle, address, first_block)
+            for offset, piece in self._stream(handle, address, first_block):
+                if self.zero_block is not None and offset <= self.zero_block < offset + piece.shape[2]:
+                    piece = piece.clone()  # received pieces are read-only
+                    piece[:, :, self.zero_block - offset] = 0
+                nbytes += piece.numel() * piece.element_size()
+                yield offset, piece
         except grpc.RpcError as exc:
             raise self._failure(handle.request_id, address, exc, "pulling KV") from None
-        nbytes = data.numel() * data.element_size()
         self.bytes_transferred += nbytes
         metrics.KV_TRANSFER_BYTES.labels(self.role).inc(nbytes)
         self.pull_seconds[handle.request_id] = time.perf_counter() - start
         metrics.KV_TRANSFER_TIME.labels(self.role).observe(self.pull_seconds[handle.request_id])
-        if self.zero_block is not None and self.zero_block < data.shape[2]:
-            data[:, :, self.zero_block] = 0
-        return data
 
-    def _stream(self, handle: KVHandle, address: str, first_block: int) -> torch.Tensor:
+    def _stream(self, handle: KVHandle, address: str, first_block: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """Decoded chunks, checked to cover the requested blocks in order. Raises grpc.RpcError,
+        KVTransferError."""
         request = worker_pb2.PullKVRequest(handle=handle_to_proto(handle, address), first_block=first_block)
-        num_blocks = len(handle.block_ids) - first_block
-        data: torch.Tensor | None = None
+        pull = self._channel(address).unary_stream(
+            PULL_KV_METHOD, request_serializer=worker_pb2.PullKVRequest.SerializeToString,
+            response_deserializer=decode_chunk,
+        )
         spec: KVCacheSpec | None = None
-        for chunk in self._stub(address).PullKV(request, timeout=self.timeout_s):
-            if data is None:
-                spec = layout_from_proto(chunk.layout)
-                shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-                data = torch.empty(shape, dtype=spec.dtype)
-            assert spec is not None
-            shape = (spec.num_layers, 2, chunk.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-            offset = chunk.block_offset - first_block
-            data[:, :, offset : offset + chunk.num_blocks] = tensor_from_bytes(chunk.data, spec.dtype, shape)
-        if data is None:
-            raise KVTransferError(f"empty KV stream for {handle.request_id!r}", "not_found")
-        return data
+        next_block = first_block
+        for header, data in pull(request, timeout=self.timeout_s):
+            if spec is None:
+                if header.layout is None:
+                    raise KVTransferError(f"KV stream for {handle.request_id!r} has no layout", "failed")
+                spec = layout_from_proto(header.layout)
+            if header.block_offset != next_block:
+                raise KVTransferError(f"KV stream for {handle.request_id!r}: block {header.block_offset} "
+                                      f"where {next_block} was due", "failed")
+            shape = (spec.num_layers, 2, header.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+            yield next_block - first_block, _tensor_view(data, spec.dtype, shape)
+            next_block += header.num_blocks
+        if next_block != len(handle.block_ids):
+            raise KVTransferError(f"KV stream for {handle.request_id!r} ended at block {next_block} of "
+                                  f"{len(handle.block_ids)}", "not_found")
 
     def complete(self, handle: KVHandle) -> None:
         """Tell the source to unpin, without waiting (this runs on the engine thread); a lost
@@ -252,6 +249,18 @@ class GrpcKVTransfer(InMemoryKVTransfer):
             worker_pb2.ReleaseKVRequest(request_id=handle.request_id), timeout=RELEASE_TIMEOUT_S
         )
         future.add_done_callback(lambda done: _log_release(done, handle.request_id, address))
+
+
+def _tensor_view(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A read-only tensor over received bytes; KVTransferError if the sizes disagree."""
+    storage = _STORAGE_DTYPES.get(dtype, dtype)
+    expected = torch.Size(shape).numel() * torch.empty((), dtype=storage).element_size()
+    if data.nbytes != expected:
+        raise KVTransferError(f"kv chunk: {data.nbytes} bytes do not fill {shape} {dtype} ({expected} bytes)", "failed")
+    with warnings.catch_warnings():  # read-only on purpose: the engine only copies from it
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.frombuffer(data, dtype=storage) if expected else torch.empty(0, dtype=storage)
+    return tensor.view(dtype).view(shape) if storage is not dtype else tensor.view(shape)
 
 
 def _log_release(done: grpc.Future, request_id: str, address: str) -> None:
@@ -273,6 +282,9 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         self.on_engine = on_engine
         self.peer_info = peer_info
         self.layout = peer_info_to_proto(peer_info)[1]
+        self.block_bytes = KVCacheSpec(
+            peer_info.num_layers, peer_info.num_kv_heads, peer_info.head_dim, peer_info.block_size, peer_info.dtype
+        ).bytes_per_block
         self.chunk_bytes = chunk_bytes
         self.stall_s = stall_s
 
@@ -289,27 +301,28 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
                                               lease_seconds=self.transfer.leases.lease_s)
 
     def PullKV(self, request, context):
+        """Yields serialized KVChunks (`kv_wire.encode_chunk`, straight from the cache): register
+        with `add_kv_transfer_servicer`, whose PullKV passes bytes through unserialized."""
         handle, _ = handle_from_proto(request.handle)
-        first_block = request.first_block
-        leases = self.transfer.leases
-        leases.begin_pull(handle.request_id)  # NOT_FOUND once released; no lapse while we stream
+        first_block, rid = request.first_block, handle.request_id
+        source = self.transfer.source(handle)
+        self.transfer.leases.begin_pull(rid)  # NOT_FOUND once released; no free while we read
         try:
             self._stall(context)
             if not context.is_active():  # the destination went away during the stall
                 return
-            # A copy, read on the engine thread: later frees cannot change what we send.
-            data = self.on_engine(lambda: self.transfer.read(handle, first_block))
-            block_bytes = data[:, :, :1].numel() * data.element_size()
-            per_chunk = max(1, self.chunk_bytes // block_bytes)
-            for offset in range(0, data.shape[2], per_chunk):
-                piece = data[:, :, offset : offset + per_chunk]
-                yield worker_pb2.KVChunk(
-                    layout=self.layout if offset == 0 else None, block_offset=first_block + offset,
-                    num_blocks=piece.shape[2], data=tensor_to_bytes(piece),
-                )
-            metrics.KV_TRANSFER_BYTES.labels(self.transfer.role).inc(data.numel() * data.element_size())
+            num_blocks = len(handle.block_ids)
+            if not 0 <= first_block < num_blocks:
+                raise InvalidRequestError("first_block", f"{first_block} outside the handle's {num_blocks} blocks")
+            per_chunk = max(1, self.chunk_bytes // self.block_bytes)
+            spans = [(start, min(start + per_chunk, num_blocks)) for start in range(first_block, num_blocks, per_chunk)]
+            for start, end in spans:
+                yield encode_chunk(start, end - start, self.layout if start == first_block else None,
+                                   source.kv_buffers(handle, start, end))
+            metrics.KV_TRANSFER_BYTES.labels(self.transfer.role).inc((num_blocks - first_block) * self.block_bytes)
         finally:
-            leases.end_pull(handle.request_id)
+            if self.transfer.leases.end_pull(rid):  # released while we read: free it now
+                self.on_engine(lambda: self.transfer.release_pin(rid))
 
     def _stall(self, context) -> None:
         deadline = time.monotonic() + self.stall_s
@@ -322,3 +335,21 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
     def ReleaseKV(self, request, context):
         released = self.on_engine(lambda: self.transfer.release(request.request_id))
         return worker_pb2.ReleaseKVResponse(released=released)
+
+
+def add_kv_transfer_servicer(servicer: KVTransferServicer, server: grpc.Server) -> None:
+    """Register the KVTransfer service; as the generated `add_KVTransferServicer_to_server`, but
+    PullKV's messages go out as the bytes `kv_wire.encode_chunk` made (no protobuf copy)."""
+    methods = {
+        "Handshake": grpc.unary_unary_rpc_method_handler(
+            servicer.Handshake, worker_pb2.KVHandshakeRequest.FromString,
+            worker_pb2.KVHandshakeResponse.SerializeToString),
+        "PullKV": grpc.unary_stream_rpc_method_handler(
+            servicer.PullKV, worker_pb2.PullKVRequest.FromString, lambda raw: raw),
+        "RenewKVLease": grpc.unary_unary_rpc_method_handler(
+            servicer.RenewKVLease, worker_pb2.RenewKVLeaseRequest.FromString,
+            worker_pb2.RenewKVLeaseResponse.SerializeToString),
+        "ReleaseKV": grpc.unary_unary_rpc_method_handler(
+            servicer.ReleaseKV, worker_pb2.ReleaseKVRequest.FromString, worker_pb2.ReleaseKVResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.KVTransfer", methods),))

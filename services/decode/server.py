@@ -66,8 +66,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             landed = False
             while (out := next_output(stream, context)) is not None:
                 if isinstance(out, KVReserved):  # pull on this thread; the batch keeps stepping
-                    self.transfer.prefetch(handle, out.first_block)
-                    self.loop.wake()
+                    self._write_kv(handle, out)
                     continue
                 if out.finish_reason in ("error", "kv_timeout"):
                     raise self._kv_failure(request_id, source, out.finish_reason)
@@ -93,6 +92,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 # never landed, tells the prefill worker to unpin.
                 self.loop.abort(request_id)
             self.transfer.forget(request_id)
+
+    def _write_kv(self, handle, reserved: KVReserved) -> None:
+        """Pull the prompt KV the local prefix cache lacks straight into the reserved blocks
+        (the engine keeps them allocated until `kv_written`). Raises KVTransferError."""
+        engine, ok = self.loop.engine, False
+        try:
+            for offset, piece in self.transfer.pull_chunks(handle, reserved.first_block):
+                num_blocks = piece.shape[2]
+                engine.kv_cache.spec.check_transfer(piece, min(num_blocks, len(reserved.block_ids) - offset))
+                engine.kv_cache.write_blocks(list(reserved.block_ids[offset : offset + num_blocks]), piece)
+            ok = True
+        finally:
+            with contextlib.suppress(ShuttingDownError):
+                self.loop.kv_written(reserved.request_id, ok)
 
     def _kv_failure(self, request_id: str, source: str, reason: str, detail: str = "") -> Exception:
         """The status for a request whose prompt KV never landed."""

@@ -33,7 +33,7 @@ from services.engine.kv_transfer.handshake import KVPeerInfo
 from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
 from services.engine.loader import model_id, resolve_model
 from services.engine.model_runner import ModelRunner, check_model_config, load_model, resolve_max_model_len
-from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.outputs import CompletionOutput, KVReserved, RequestOutput
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput
@@ -69,6 +69,8 @@ class Engine(KVSource):
         self.requests: dict[str, Request] = {}
         self.pinned: dict[str, Request] = {}  # PREFILL role: finished, blocks held for export
         self._finished_at_admission: list[Request] = []  # DECODE: first token already ended it
+        self._writing: set[str] = set()  # DECODE: requests whose KV a caller is writing (claimed)
+        self._abandoned: dict[str, Request] = {}  # DECODE: ended while written: freed at kv_written
         self.last_step: SchedulerOutput | None = None
         self.last_forward_tokens: dict[str, int] = {}  # request_id -> tokens the last forward saw
         self._seeds = random.Random(config.seed)
@@ -127,8 +129,8 @@ class Engine(KVSource):
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks. Raises RequestNotFoundError for an unknown id."""
         if request_id in self.pinned:
-            self.kv_transfer.revoke(request_id)
-            self.release_kv(request_id)
+            if self.kv_transfer.revoke(request_id):  # else freed when the pull reading it ends
+                self.release_kv(request_id)
             return
         request = self.requests.pop(request_id, None)
         if request is None:
@@ -137,7 +139,8 @@ class Engine(KVSource):
             self._finished_at_admission.remove(request)
             return
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            self.kv_transfer.complete(request.kv_handle)  # never pulled: let the source unpin now
+            self._end_remote(request, RequestStatus.FINISHED_ABORTED)
+            return
         self.scheduler.remove_running(request)
         request.finish(RequestStatus.FINISHED_ABORTED)
 
@@ -151,17 +154,55 @@ class Engine(KVSource):
         """DECODE requests queued for blocks or reserved and waiting for their KV."""
         return len(self.scheduler.waiting_for_kv) + len(self.scheduler.reserved)
 
-    def take_reserved(self) -> list[tuple[str, int]]:
+    def take_reserved(self, claim_writes: bool = False) -> list[KVReserved]:
         """DECODE role: reserve blocks for queued requests where room allows, then return every
-        request reserved since the last call as (request_id, first_block): its KV may be pulled
-        now, from `first_block` on (the blocks before it are in the local prefix cache)."""
+        request reserved since the last call: its KV may be pulled now.
+
+        `claim_writes`: the caller writes each one's pulled KV into its `block_ids` itself (off
+        the engine thread, with `kv_cache.write_blocks`) and then calls `kv_written`; until
+        then the engine never frees those blocks, even if the request ends. Otherwise the
+        engine pulls through the transfer at admission.
+        """
         self.scheduler.reserve_waiting()
-        reserved = [(r.request_id, r.kv_first_block) for r in self.scheduler.newly_reserved]
+        reserved = []
+        for request in self.scheduler.newly_reserved:
+            num_blocks = len(request.kv_handle.block_ids)
+            block_ids = tuple(request.block_table[request.kv_first_block : num_blocks])
+            reserved.append(KVReserved(request.request_id, request.kv_first_block, block_ids))
+            if claim_writes:
+                self._writing.add(request.request_id)
         self.scheduler.newly_reserved.clear()
         return reserved
 
+    def kv_written(self, request_id: str, ok: bool) -> None:
+        """DECODE role: the caller that claimed the request's writes is done with its blocks;
+        `ok`: every pulled block was written (the request may run). Frees the blocks of a
+        request that ended meanwhile."""
+        self._writing.discard(request_id)
+        abandoned = self._abandoned.pop(request_id, None)
+        if abandoned is not None:
+            self.kv_cache.free(abandoned)
+            return
+        request = self.requests.get(request_id)
+        if ok and request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            request.kv_landed = True
+
     def _kv_ready(self, request: Request) -> bool:
-        return request.kv_first_block >= len(request.kv_handle.block_ids) or self.kv_transfer.is_ready(request.kv_handle)
+        if request.kv_landed or request.kv_first_block >= len(request.kv_handle.block_ids):
+            return True
+        return request.request_id not in self._writing and self.kv_transfer.is_ready(request.kv_handle)
+
+    def _end_remote(self, request: Request, status: RequestStatus) -> RequestOutput:
+        """End a DECODE request whose KV never loaded: let the source unpin, and free the blocks
+        now or, while a caller writes into them, at its `kv_written`."""
+        self.kv_transfer.complete(request.kv_handle)
+        request.finish(status)
+        writing = request.request_id in self._writing
+        self.scheduler.remove_running(request, free=not writing)
+        if writing:
+            self._abandoned[request.request_id] = request
+        self.requests.pop(request.request_id, None)
+        return self._output(request, request.output_token_ids[-1:])
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -169,10 +210,7 @@ class Engine(KVSource):
         """Run one iteration; returns an output for every request that got a token or finished."""
         outputs = [self._finish(r) for r in self._finished_at_admission]
         self._finished_at_admission.clear()
-        for request in self.scheduler.timed_out():
-            self.kv_transfer.complete(request.kv_handle)  # never loaded: let the source unpin now
-            request.finish(RequestStatus.FINISHED_KV_TIMEOUT)
-            outputs.append(self._finish(request))
+        outputs += [self._end_remote(r, RequestStatus.FINISHED_KV_TIMEOUT) for r in self.scheduler.timed_out()]
         sched = self.scheduler.schedule()
         self.last_step = sched
         outputs += self._load_remote_kv(sched)
@@ -197,10 +235,16 @@ class Engine(KVSource):
         for load in sched.remote_loads:
             num_blocks = len(load.handle.block_ids)
             try:
-                if load.first_block < num_blocks:  # else every prompt block was cached here
-                    data = self.kv_transfer.pull(load.handle, load.first_block)
-                    self._check_layout(data, num_blocks - load.first_block)
-                    self.kv_cache.write_blocks(load.block_ids[load.first_block : num_blocks], data)
+                block = load.first_block
+                written = self.requests[load.request_id].kv_landed
+                pieces = self.kv_transfer.pull(load.handle, block) if block < num_blocks and not written else []
+                block = num_blocks if written else block
+                for piece in pieces:  # else every prompt block was cached here
+                    self.kv_cache.spec.check_transfer(piece, min(piece.shape[2], num_blocks - block))
+                    self.kv_cache.write_blocks(load.block_ids[block : block + piece.shape[2]], piece)
+                    block += piece.shape[2]
+                if block != num_blocks:
+                    raise InvalidRequestError("kv_handle", f"the pull covered {block} of {num_blocks} blocks")
             except (RequestNotFoundError, InvalidRequestError, KVTransferError):
                 failed.append(self.requests[load.request_id])
                 self.kv_transfer.complete(load.handle)  # unusable here: let the source unpin
@@ -211,15 +255,6 @@ class Engine(KVSource):
         for request in failed:
             request.finish(RequestStatus.FINISHED_ERROR)
         return [self._finish(request) for request in failed]
-
-    def _check_layout(self, data: torch.Tensor, num_blocks: int) -> None:
-        """The pulled KV must have exactly this engine's layout (no silent reshapes or casts)."""
-        spec = self.kv_cache.spec
-        want = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        if tuple(data.shape) != want or data.dtype != spec.dtype:
-            raise InvalidRequestError(
-                "kv_handle", f"KV layout {tuple(data.shape)} {data.dtype} does not match {want} {spec.dtype}"
-            )
 
     def _output(self, request: Request, new: list[int], handle: KVHandle | None = None) -> RequestOutput:
         new_logprobs = tuple(request.output_logprobs[len(request.output_logprobs) - len(new):]) if request.output_logprobs else ()
@@ -250,12 +285,22 @@ class Engine(KVSource):
     # -- KVSource ------------------------------------------------------------------------------
 
     def read_kv(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
+        self._pinned_request(handle, first_block)
+        return self.kv_cache.read_blocks(list(handle.block_ids[first_block:]))
+
+    def _pinned_request(self, handle: KVHandle, first_block: int) -> Request:
         request = self.pinned.get(handle.request_id)
         if request is None or tuple(request.block_table[: len(handle.block_ids)]) != handle.block_ids:
             raise RequestNotFoundError(handle.request_id)  # only a pinned request's own blocks
         if not 0 <= first_block < len(handle.block_ids):
             raise InvalidRequestError("first_block", f"{first_block} outside the handle's {len(handle.block_ids)} blocks")
-        return self.kv_cache.read_blocks(list(handle.block_ids[first_block:]))
+        return request
+
+    def kv_buffers(self, handle: KVHandle, first_block: int, last_block: int) -> list[memoryview]:
+        self._pinned_request(handle, first_block)
+        if not first_block < last_block <= len(handle.block_ids):
+            raise InvalidRequestError("last_block", f"{last_block} outside the handle's blocks after {first_block}")
+        return self.kv_cache.block_buffers(list(handle.block_ids[first_block:last_block]))
 
     def release_kv(self, request_id: str) -> None:
         request = self.pinned.pop(request_id, None)
@@ -345,7 +390,7 @@ class Engine(KVSource):
         """Raise RuntimeError if block accounting is broken (tests call it after every step)."""
         pool = self.kv_cache.pool
         pool.check_integrity()
-        holders = [*self.scheduler.running, *self.scheduler.reserved, *self.pinned.values()]
+        holders = [*self.scheduler.running, *self.scheduler.reserved, *self.pinned.values(), *self._abandoned.values()]
         refs = collections.Counter(b for r in holders for b in r.block_table)
         wrong = [b for b in range(pool.num_blocks) if refs[b] != pool.ref_count(b)]
         if wrong:

@@ -13,10 +13,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.engine.block_hash import ROOT_HASH, BlockHash, block_hashes
 from services.engine.block_pool import BlockPool
+from services.engine.errors import InvalidRequestError
 from services.engine.request import Request
 
 
@@ -35,6 +37,15 @@ class KVCacheSpec:
         """K and V of one block across all layers, in bytes."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def check_transfer(self, data: torch.Tensor, num_blocks: int) -> None:
+        """Transferred KV must have exactly this layout for `num_blocks` blocks (no silent
+        reshapes or casts); raises InvalidRequestError naming `kv_handle` otherwise."""
+        want = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if tuple(data.shape) != want or data.dtype != self.dtype:
+            raise InvalidRequestError(
+                "kv_handle", f"KV layout {tuple(data.shape)} {data.dtype} does not match {want} {self.dtype}"
+            )
 
     def num_blocks_for(self, memory_bytes: int) -> int:
         """Blocks that fit in `memory_bytes`; ValueError naming the field if not even one does."""
@@ -147,10 +158,48 @@ class KVCache:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
         return self.kv.index_select(2, index)
 
+    def block_buffers(self, block_ids: list[int]) -> list[memoryview]:
+        """The given blocks' bytes in `read_blocks` order, as views of the cache where it lives
+        in CPU memory (a copy first on another device): for each layer, K then V, each run of
+        consecutive block ids as one contiguous buffer. Only valid while the blocks stay
+        allocated to their owner (the caller guarantees it)."""
+        if self.kv.device.type != "cpu":
+            array = _as_numpy(self.read_blocks(block_ids).cpu())
+            runs = [(0, len(block_ids))]
+        else:
+            array, runs = _as_numpy(self.kv), _runs(block_ids)
+        return [memoryview(array[layer, k, start : start + n])
+                for layer in range(array.shape[0]) for k in (0, 1) for start, n in runs]
+
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write `data` (shape as `read_blocks` returns) into the given blocks."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
-        self.kv.index_copy_(2, index, data.to(device=self.kv.device, dtype=self.kv.dtype))
+        """Write `data` (shape as `read_blocks` returns, this cache's dtype) into the given
+        blocks. On the CPU the copy is numpy's, one run of consecutive blocks at a time: it
+        starts no intra-op thread pool, so a thread other than the engine's may call it
+        without taking the engine's cores."""
+        if self.kv.device.type != "cpu" or data.device.type != "cpu" or data.dtype != self.kv.dtype:
+            index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+            self.kv.index_copy_(2, index, data.to(device=self.kv.device, dtype=self.kv.dtype))
+            return
+        cache, source, offset = _as_numpy(self.kv), _as_numpy(data), 0
+        for start, n in _runs(block_ids):
+            np.copyto(cache[:, :, start : start + n], source[:, :, offset : offset + n])
+            offset += n
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive ids as (first id, count), in order."""
+    runs: list[tuple[int, int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block_id, 1))
+    return runs
+
+
+def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (bfloat16 as int16: numpy has no bfloat16, same bytes)."""
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:

@@ -24,11 +24,13 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class KVReserved:
-    """DECODE role: a request's blocks are reserved; pull its prompt KV from `first_block` on
-    (the blocks before it came from the local prefix cache)."""
+    """DECODE role: a request's blocks are reserved; its prompt KV is due from `first_block` on
+    (the blocks before it came from the local prefix cache), into `block_ids` (one per handle
+    block from `first_block` on)."""
 
     request_id: str
     first_block: int
+    block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)

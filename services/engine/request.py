@@ -78,6 +78,8 @@ class Request:
     """DECODE role: prompt blocks found in the local prefix cache; the transfer pulls the rest."""
     kv_deadline: float = float("inf")
     """DECODE role: monotonic time by which the prompt KV must have been loaded."""
+    kv_landed: bool = False
+    """DECODE role: a caller wrote the pulled prompt KV into the blocks (`Engine.kv_written`)."""
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -17,7 +17,7 @@ from services.common.convert import handle_to_proto, logprobs_to_proto, sampling
 from services.common.engine_loop import EngineLoop
 from services.common.errors import ServiceUnavailableError
 from services.common.kv_publisher import KVEventPublisher
-from services.common.kv_transfer_grpc import GrpcKVTransfer, KVTransferServicer
+from services.common.kv_transfer_grpc import GrpcKVTransfer, KVTransferServicer, add_kv_transfer_servicer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.prefix_index import make_prefix_index
 from services.common.server import start_service, wait_for_termination
@@ -84,7 +84,7 @@ def serve(args: argparse.Namespace) -> None:
         "prefill",
         [
             (worker_pb2_grpc.add_PrefillServicer_to_server, prefill, "pdserve.v1.Prefill"),
-            (worker_pb2_grpc.add_KVTransferServicer_to_server, kv, "pdserve.v1.KVTransfer"),
+            (add_kv_transfer_servicer, kv, "pdserve.v1.KVTransfer"),
             (worker_pb2_grpc.add_AdminServicer_to_server, AdminServicer(loop), "pdserve.v1.Admin"),
         ],
         args.host, args.port, args.metrics_port,

@@ -119,7 +119,7 @@ def test_random_transfer_messages_never_leak_or_double_free(tiny_llama_engine_pa
             handles[rid] = _prefill(prefill, rid, 5 + 7 * n)
         elif op == "pull" and rid in handles:
             try:
-                data = transfer.pull(handles[rid])
+                (data,) = transfer.pull(handles[rid])
                 assert data.shape[2] == len(handles[rid].block_ids)
             except RequestNotFoundError:
                 assert rid not in prefill.pinned
@@ -152,3 +152,31 @@ def tiny_llama_engine_pair(tiny_llama):
     engine = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=64, kv_transfer=transfer,
                          enable_prefix_caching=False)
     return engine, transfer, clock
+
+
+def test_an_end_during_a_pull_waits_for_the_pull(tiny_llama):
+    """Pulls read pinned blocks in place, so a completion or an abort that comes during one frees
+    the blocks only when the last pull ends; no new pull starts meanwhile."""
+    clock = FakeClock()
+    table = LeaseTable(lease_s=1.0, clock=clock)
+    table.publish("a")
+    table.begin_pull("a")
+    table.begin_pull("a")
+    assert table.complete("a") is False and table.complete("a") is False  # held, once
+    assert table.renew("a") is False
+    with pytest.raises(RequestNotFoundError, match="completed"):
+        table.begin_pull("a")
+    assert table.end_pull("a") is False  # one pull still reads
+    assert table.end_pull("a") is True and table.status("a") == TransferStatus.COMPLETED
+    assert table.end_pull("a") is False
+
+    transfer = InMemoryKVTransfer()
+    prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=32, kv_transfer=transfer)
+    _prefill(prefill, "b", 40)
+    transfer.leases.begin_pull("b")
+    prefill.abort("b")  # the client went away while a decode worker reads the blocks
+    assert prefill.num_pinned_blocks == 3 and transfer.status("b") == TransferStatus.PULLING
+    transfer.end_pull("b")
+    assert prefill.num_pinned_blocks == 0 and transfer.status("b") == TransferStatus.REVOKED
+    assert prefill.kv_cache.pool.num_used_blocks == 0
+    prefill.check_integrity()

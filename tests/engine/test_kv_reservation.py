@@ -53,12 +53,12 @@ def test_blocks_are_reserved_before_the_kv_arrives_and_the_queue_is_bounded(pair
     pool = decode.kv_cache.pool
     _handoff(prefill, decode, "a")
     _handoff(prefill, decode, "b")
-    assert decode.take_reserved() == [("a", 0), ("b", 0)]
+    assert _reserved(decode) == [("a", 0), ("b", 0)]
     assert pool.num_free_blocks == 2  # 4 + 4 reserved for KV that has not arrived
     assert not decode.has_unfinished_requests()  # nothing to step until a KV is ready
     _handoff(prefill, decode, "c")
     _handoff(prefill, decode, "d")  # no room: both wait for blocks
-    assert decode.take_reserved() == [] and decode.num_waiting_for_kv == 4
+    assert _reserved(decode) == [] and decode.num_waiting_for_kv == 4
     with pytest.raises(ResourceExhaustedError, match="max_num_waiting_for_kv"):
         _handoff(prefill, decode, "e")
     assert "e" not in decode.requests
@@ -66,9 +66,9 @@ def test_blocks_are_reserved_before_the_kv_arrives_and_the_queue_is_bounded(pair
     transfer.arrived.add("a")  # a's KV lands: it runs to the end and frees its blocks
     tokens = _run(decode)
     assert list(tokens) == ["a"] and len(tokens["a"]) == 6
-    assert decode.take_reserved() == [("c", 0)]  # first come, first served
+    assert _reserved(decode) == [("c", 0)]  # first come, first served
     decode.abort("b")
-    assert decode.take_reserved() == [("d", 0)]
+    assert _reserved(decode) == [("d", 0)]
     for rid in ("c", "d"):
         transfer.arrived.add(rid)
     assert set(_run(decode)) == {"c", "d"}
@@ -81,7 +81,7 @@ def test_kv_that_never_arrives_times_out_and_frees_everything(pair):
     handle = _handoff(prefill, decode, "slow")
     _handoff(prefill, decode, "slow2")
     _handoff(prefill, decode, "queued")  # waits for blocks behind them
-    assert decode.take_reserved() == [("slow", 0), ("slow2", 0)]
+    assert _reserved(decode) == [("slow", 0), ("slow2", 0)]
     clock.now += 4.9
     assert not decode.has_unfinished_requests()
     clock.now += 0.2
@@ -99,15 +99,54 @@ def test_kv_that_never_arrives_times_out_and_frees_everything(pair):
 def test_reserved_request_hits_its_own_prefix_cache_and_pulls_only_the_rest(pair):
     prefill, decode, transfer, _ = pair
     _handoff(prefill, decode, "first", start=7)
-    decode.take_reserved()
+    _reserved(decode)
     transfer.arrived.add("first")
     first = _run(decode)["first"]
     handle = _handoff(prefill, decode, "again", start=7)  # same 60-token prompt: 3 full blocks cached here
-    assert decode.take_reserved() == [("again", 3)]
+    assert _reserved(decode) == [("again", 3)]
     pulled = transfer.bytes_transferred
     transfer.arrived.add("again")
     assert _run(decode)["again"] == first
     assert transfer.bytes_transferred - pulled == (len(handle.block_ids) - 3) * decode.kv_cache.spec.bytes_per_block
+
+
+def _reserved(engine, **kwargs) -> list[tuple[str, int]]:
+    return [(r.request_id, r.first_block) for r in engine.take_reserved(**kwargs)]
+
+
+def test_a_caller_writes_claimed_kv_and_an_ended_request_waits_for_it(pair, tiny_llama):
+    """With claimed writes the caller copies the pulled KV into the reserved blocks itself; the
+    engine then runs the request without pulling, and never frees blocks a caller still writes."""
+    prefill, decode, transfer, clock = pair
+    handle = _handoff(prefill, decode, "w")
+    (reserved,) = decode.take_reserved(claim_writes=True)
+    assert reserved.block_ids == tuple(decode.scheduler.reserved[0].block_table[:4])
+    transfer.arrived.add("w")  # the transfer could serve it, but the caller claimed the writes
+    assert not decode.has_unfinished_requests()
+    for piece in transfer.pull(handle):
+        decode.kv_cache.write_blocks(list(reserved.block_ids), piece)
+    pulled = transfer.bytes_transferred
+    decode.kv_written("w", ok=True)
+    assert _run(decode)["w"] == _both(tiny_llama, "w")
+    assert transfer.bytes_transferred == pulled  # the engine did not pull again
+
+    _handoff(prefill, decode, "gone")
+    decode.take_reserved(claim_writes=True)
+    decode.abort("gone")  # e.g. the client left while the caller writes
+    assert decode.kv_cache.pool.num_free_blocks == 10 - 4 and not decode.requests
+    decode.check_integrity()
+    decode.kv_written("gone", ok=False)
+    assert decode.kv_cache.pool.num_free_blocks == 10
+    decode.check_integrity()
+
+
+def _both(model: str, rid: str) -> list[int]:
+    from tests.engine.helpers import run_to_completion
+
+    start = 3 + 100 * (sum(map(ord, rid)) % 4)
+    both = make_engine(model, num_blocks=64)
+    out, _ = run_to_completion(both, {rid: (list(range(start, start + 60)), SamplingParams(max_tokens=6, **GREEDY))})
+    return out[rid]
 
 
 def _run(engine) -> dict[str, list[int]]:

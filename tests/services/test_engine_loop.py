@@ -66,3 +66,53 @@ def test_calls_after_stop_fail_fast(tiny_llama):
     with pytest.raises(ShuttingDownError):
         loop.abort("anything")
     assert time.monotonic() - started < 1
+
+
+def test_reserved_blocks_come_back_however_the_receiver_leaves(tiny_llama):
+    """A DECODE request's reservation goes to its RPC thread, which writes the KV and reports
+    back; blocks return to free when it reports, when it leaves without taking the reservation,
+    and when the request timed out while the receiver was still writing."""
+    from services.engine import EngineRole
+    from services.engine.kv_transfer import InMemoryKVTransfer
+    from services.engine.outputs import KVReserved
+
+    transfer = InMemoryKVTransfer()
+    prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=64, kv_transfer=transfer)
+    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=16, kv_transfer=transfer,
+                         kv_transfer_timeout_s=1.0)
+    loop = EngineLoop(decode, "decode")
+    loop.start()
+    params = SamplingParams(max_tokens=3, **GREEDY)
+
+    def handoff(rid: str):
+        prefill.add_request(list(range(3, 40)), params, request_id=rid)
+        (out,) = prefill.step()
+        return loop.submit(rid, list(range(3, 40)), params, kv_handle=out.kv_handle), out.kv_handle
+
+    def free() -> int:
+        return loop.call(lambda: decode.kv_cache.pool.num_free_blocks)
+
+    try:
+        stream, handle = handoff("written")  # the normal path: write, report, run
+        reserved = stream.get(timeout=10)
+        assert isinstance(reserved, KVReserved) and free() == 13
+        (piece,) = transfer.pull(handle)
+        decode.kv_cache.write_blocks(list(reserved.block_ids), piece)
+        loop.kv_written("written", ok=True)
+        assert [stream.get(timeout=10).finished for _ in range(2)] == [False, True]
+        loop.abort("written")
+        stream, _ = handoff("left")  # the receiver leaves before it takes the reservation
+        time.sleep(0.2)
+        loop.abort("left")
+        assert free() == 16
+        stream, _ = handoff("slow")  # times out while its receiver still writes
+        assert isinstance(stream.get(timeout=10), KVReserved)
+        assert stream.get(timeout=10).finish_reason == "kv_timeout"
+        assert free() == 13  # held: the receiver may still be writing into them
+        loop.kv_written("slow", ok=False)
+        loop.abort("slow")
+        assert free() == 16
+        loop.call(decode.check_integrity)
+        assert prefill.num_pinned_blocks == 0
+    finally:
+        loop.stop()

@@ -7,8 +7,7 @@ import time
 import pytest
 import torch
 
-from services.common.convert import tensor_from_bytes, tensor_to_bytes
-from services.common.kv_transfer_grpc import GrpcKVTransfer, KVTransferServicer
+from services.common.kv_transfer_grpc import GrpcKVTransfer, KVTransferServicer, add_kv_transfer_servicer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import start_service
 from services.engine import EngineRole, SamplingParams
@@ -24,7 +23,7 @@ def prefill_side(tiny_llama):
     block_bytes = engine.kv_cache.spec.bytes_per_block
     # The test drives the engine itself, one call at a time, so the servicer may touch it directly.
     servicer = KVTransferServicer(transfer, lambda fn: fn(), engine.kv_peer_info, chunk_bytes=3 * block_bytes)
-    service = start_service("prefill", [(worker_pb2_grpc.add_KVTransferServicer_to_server, servicer,
+    service = start_service("prefill", [(add_kv_transfer_servicer, servicer,
                                          "pdserve.v1.KVTransfer")], "127.0.0.1", 0, 0)
     yield engine, service.grpc_address, block_bytes
     service.server.stop(0)
@@ -60,8 +59,10 @@ def test_pull_streams_bounded_chunks_and_decodes_like_both(tiny_llama, prefill_s
     transfer.set_source("r", address)
     decode.add_request(prompt, SamplingParams(max_tokens=8, **GREEDY), request_id="r", kv_handle=handle)
     assert not decode.has_unfinished_requests()  # reserved: nothing to step until the KV is here
-    assert decode.take_reserved() == [("r", 0)]
-    transfer.prefetch(handle, 0)
+    (reserved,) = decode.take_reserved(claim_writes=True)  # as the decode worker: write, then tell
+    for offset, piece in transfer.pull_chunks(handle, reserved.first_block):
+        decode.kv_cache.write_blocks(list(reserved.block_ids[offset : offset + piece.shape[2]]), piece)
+    decode.kv_written("r", ok=True)
     outs = {}
     while decode.has_unfinished_requests():
         for out in decode.step():
@@ -94,31 +95,48 @@ def test_pull_from_a_dead_address_fails_within_the_timeout(tiny_llama, prefill_s
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_tensor_bytes_round_trip(dtype):
-    tensor = torch.randn(2, 2, 3, 4, 1, 8).to(dtype)
-    again = tensor_from_bytes(tensor_to_bytes(tensor), dtype, tuple(tensor.shape))
-    assert torch.equal(again, tensor)
-    with pytest.raises(ValueError, match="kv chunk"):
-        tensor_from_bytes(tensor_to_bytes(tensor)[:-2], dtype, tuple(tensor.shape))
+def test_chunks_are_protobuf_on_the_wire_and_views_on_arrival(dtype):
+    """`encode_chunk` writes what protobuf writes; `decode_chunk` reads what protobuf writes; the
+    KV arrives as a view of the received bytes, equal to the cache's blocks bit for bit."""
+    from services.common.kv_transfer_grpc import _tensor_view
+    from services.common.kv_wire import decode_chunk, encode_chunk
+    from services.common.pb import common_pb2
+    from services.engine.kv_cache import KVCache, KVCacheSpec
+
+    cache = KVCache(KVCacheSpec(2, 1, 8, 4, dtype), 16, "cpu")
+    cache.kv.copy_(torch.randn(cache.kv.shape).to(dtype))
+    blocks = [5, 6, 7, 2, 9]  # runs 5-7, 2, 9
+    layout = common_pb2.KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype="x", layout="y")
+    raw = encode_chunk(3, 5, layout, cache.block_buffers(blocks))
+    want = cache.read_blocks(blocks)
+    proto = worker_pb2.KVChunk.FromString(raw)
+    assert (proto.block_offset, proto.num_blocks, proto.layout) == (3, 5, layout)
+    assert raw == worker_pb2.KVChunk(layout=layout, block_offset=3, num_blocks=5, data=proto.data).SerializeToString()
+    header, data = decode_chunk(raw)
+    assert (header.block_offset, header.num_blocks, header.layout) == (3, 5, layout)
+    assert torch.equal(_tensor_view(data, dtype, tuple(want.shape)), want)
+    header, _ = decode_chunk(worker_pb2.KVChunk(block_offset=7, num_blocks=1).SerializeToString())
+    assert (header.block_offset, header.num_blocks, header.layout) == (7, 1, None)
+    with pytest.raises(ValueError, match="truncated"):
+        decode_chunk(raw[:-3])
+    with pytest.raises(KVTransferError, match="do not fill"):
+        _tensor_view(data[:-2], dtype, tuple(want.shape))
 
 
-def test_partial_pulls_skip_cached_blocks_and_refetch_what_was_evicted(tiny_llama, prefill_side):
-    """first_block skips the blocks the destination's prefix cache holds; when the destination
-    asks for fewer skipped blocks than it prefetched without (its cached block was evicted in
-    between), the missing blocks are fetched at pull time, while the source still pins them."""
+def test_partial_pulls_skip_cached_blocks(tiny_llama, prefill_side):
+    """first_block skips the blocks the destination's prefix cache holds; chunks arrive in order
+    with their offsets; a pull of no blocks sends nothing."""
     prefill, address, block_bytes = prefill_side
-    handle = _prefill(prefill, "p", list(range(3, 40)))  # 10 blocks of 4
+    handle = _prefill(prefill, "p", list(range(3, 40)))  # 10 blocks of 4, chunks of 3
     whole = prefill.read_kv(handle)
     transfer = GrpcKVTransfer("decode")
     transfer.set_source("p", address)
-    transfer.prefetch(handle, first_block=6)
-    assert transfer.bytes_transferred == 4 * block_bytes
-    assert torch.equal(transfer.pull(handle, 7), whole[:, :, 7:])  # the prefetched copy, cut
-    transfer.prefetch(handle, first_block=6)
-    assert torch.equal(transfer.pull(handle, 2), whole[:, :, 2:])  # blocks 2..5 fetched now
-    assert transfer.bytes_transferred == (4 + 4 + 8) * block_bytes
-    transfer.prefetch(handle, first_block=10)  # every block cached: nothing to pull
-    assert transfer.bytes_transferred == 16 * block_bytes
+    chunks = list(transfer.pull_chunks(handle, first_block=6))
+    assert [(offset, piece.shape[2]) for offset, piece in chunks] == [(0, 3), (3, 1)]
+    assert torch.equal(torch.cat([piece for _, piece in chunks], dim=2), whole[:, :, 6:])
+    assert torch.equal(torch.cat(transfer.pull(handle, 2), dim=2), whole[:, :, 2:])
+    assert transfer.bytes_transferred == (4 + 8) * block_bytes
+    assert list(transfer.pull_chunks(handle, first_block=10)) == []  # every block cached
     transfer.complete(handle)
     _wait_for(lambda: prefill.kv_cache.pool.num_used_blocks == 0)
 

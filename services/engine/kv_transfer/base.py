@@ -57,6 +57,13 @@ class KVSource(ABC):
         """
 
     @abstractmethod
+    def kv_buffers(self, handle: KVHandle, first_block: int, last_block: int) -> list[memoryview]:
+        """The handle's blocks [first_block, last_block) as C-order bytes in the layout of
+        `read_kv`, without a copy: buffers to be concatenated in order. They are views of the
+        live cache, valid only while the caller holds a pull on the request's lease (which
+        keeps the blocks from being freed). Raises as `read_kv`."""
+
+    @abstractmethod
     def release_kv(self, request_id: str) -> None:
         """Unpin the request's blocks; a second call for the same request does nothing."""
 
@@ -80,9 +87,10 @@ class KVTransfer(ABC):
         releases the pin at once."""
 
     @abstractmethod
-    def revoke(self, request_id: str) -> None:
-        """The source aborted the request: its pin goes away without a completion; later pulls
-        fail with RequestNotFoundError."""
+    def revoke(self, request_id: str) -> bool:
+        """The source aborted the request: later pulls fail with RequestNotFoundError. True if
+        the source may free the pin now; False while a pull reads the blocks (the transfer then
+        frees them through `KVSource.release_kv` when that pull ends)."""
 
     @abstractmethod
     def renew(self, request_id: str) -> bool:
@@ -111,9 +119,11 @@ class KVTransfer(ABC):
         source in this process, or a copy already fetched)."""
 
     @abstractmethod
-    def pull(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
+    def pull(self, handle: KVHandle, first_block: int = 0) -> list[torch.Tensor]:
         """Fetch the handle's blocks from `first_block` on (the ones before it are in the
-        destination's own prefix cache); shape as `KVSource.read_kv`.
+        destination's own prefix cache): tensors of shape [num_layers, 2, n_i, block_size,
+        num_kv_heads, head_dim] that cover those blocks in order (possibly read-only views of
+        received messages: copy, never write).
 
         Raises RequestNotFoundError for an unknown or released handle, KVTransferError when
         the source cannot be reached in time.

@@ -34,11 +34,13 @@ class InMemoryKVTransfer(KVTransfer):
     def publish(self, handle: KVHandle) -> None:
         self._owner[handle.request_id] = handle.engine_id
         if not self.leases.publish(handle.request_id):
-            self._release_pin(handle.request_id)
+            self.release_pin(handle.request_id)
 
-    def revoke(self, request_id: str) -> None:
-        self.leases.revoke(request_id)
+    def revoke(self, request_id: str) -> bool:
+        if not self.leases.revoke(request_id):
+            return False
         self._owner.pop(request_id, None)
+        return True
 
     def renew(self, request_id: str) -> bool:
         return self.leases.renew(request_id)
@@ -46,7 +48,7 @@ class InMemoryKVTransfer(KVTransfer):
     def expire_leases(self) -> list[str]:
         expired = self.leases.expire_due()
         for request_id in expired:
-            self._release_pin(request_id)
+            self.release_pin(request_id)
         return expired
 
     def release(self, request_id: str) -> bool:
@@ -54,25 +56,37 @@ class InMemoryKVTransfer(KVTransfer):
         call ended nothing (late, duplicate, or before the publish: then the publish unpins)."""
         if not self.leases.complete(request_id):
             return False
-        self._release_pin(request_id)
+        self.release_pin(request_id)
         return True
 
     def status(self, request_id: str) -> TransferStatus | None:
         return self.leases.status(request_id)
 
-    def read(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
-        """A copy of a published handle's blocks, taken under a pull (so its lease cannot lapse
-        meanwhile). Raises RequestNotFoundError for an unknown or ended transfer."""
+    def source(self, handle: KVHandle) -> KVSource:
+        """The engine in this process that published `handle`; RequestNotFoundError if none."""
         source = self._sources.get(handle.engine_id)
         if source is None:
             raise RequestNotFoundError(f"no source engine {handle.engine_id!r} in this process")
+        return source
+
+    def read(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
+        """A copy of a published handle's blocks, taken under a pull (so its lease cannot lapse
+        meanwhile). Raises RequestNotFoundError for an unknown or ended transfer."""
+        source = self.source(handle)
         self.leases.begin_pull(handle.request_id)
         try:
             return source.read_kv(handle, first_block)
         finally:
-            self.leases.end_pull(handle.request_id)
+            self.end_pull(handle.request_id)
 
-    def _release_pin(self, request_id: str) -> None:
+    def end_pull(self, request_id: str) -> None:
+        """A pull of the request ended; frees the pin if an end (completion, revocation) came
+        during it. Source engine thread only."""
+        if self.leases.end_pull(request_id):
+            self.release_pin(request_id)
+
+    def release_pin(self, request_id: str) -> None:
+        """Free the request's pin at its source engine (source engine thread only)."""
         engine_id = self._owner.pop(request_id, None)
         if engine_id is not None:
             self._sources[engine_id].release_kv(request_id)
@@ -87,10 +101,10 @@ class InMemoryKVTransfer(KVTransfer):
     def is_ready(self, handle: KVHandle) -> bool:
         return self.is_local(handle)
 
-    def pull(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
+    def pull(self, handle: KVHandle, first_block: int = 0) -> list[torch.Tensor]:
         data = self.read(handle, first_block)
         self.bytes_transferred += data.numel() * data.element_size()
-        return data
+        return [data]
 
     def complete(self, handle: KVHandle) -> None:
         self.release(handle.request_id)

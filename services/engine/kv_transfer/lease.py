@@ -7,6 +7,11 @@ pulls or waits for blocks of its own, and the source frees the blocks when it la
 message may arrive late or twice; a transition that no longer applies returns False and does
 nothing, so the blocks have exactly one path back to free.
 
+A pull reads the pinned blocks in place (no copy), so a transfer cannot end while a pull is in
+progress: a completion or revocation that arrives then is held, and the transfer ends (and the
+caller frees the pin) when the last pull ends. Each transition returns True exactly when the
+caller must free the pin now.
+
     PUBLISHED --begin_pull--> PULLING --end_pull--> PUBLISHED
         |  \                     |
         |   +-------- complete --+--> COMPLETED  (the destination has the KV)
@@ -58,38 +63,45 @@ class Lease:
     expires_at: float
     status: TransferStatus = TransferStatus.PUBLISHED
     num_pulls: int = 0
+    ending: TransferStatus | None = None  # an end that came during a pull, applied when it ends
 
     def begin_pull(self, now: float) -> None:
-        """A destination starts reading. Raises RequestNotFoundError once the transfer ended."""
-        if self.status.is_ended:
-            raise RequestNotFoundError(f"KV of request {self.request_id!r} was {self.status.value}")
+        """A destination starts reading. Raises RequestNotFoundError once the transfer ended
+        (or is ending)."""
+        if self.status.is_ended or self.ending is not None:
+            status = self.ending or self.status
+            raise RequestNotFoundError(f"KV of request {self.request_id!r} was {status.value}")
         self.num_pulls += 1
         self.status = TransferStatus.PULLING
         self.expires_at = now + self.lease_s
 
     def end_pull(self, now: float) -> bool:
-        """A pull ended (delivered or broken off); the lease runs again from now."""
+        """A pull ended (delivered or broken off); the lease runs again from now. True when an
+        end held back by the pulls now applies: the caller frees the pin."""
         if self.status != TransferStatus.PULLING:
             return False
         self.num_pulls -= 1
-        if self.num_pulls == 0:
-            self.status = TransferStatus.PUBLISHED
         self.expires_at = now + self.lease_s
-        return True
+        if self.num_pulls > 0:
+            return False
+        self.status = TransferStatus.PUBLISHED
+        return self.ending is not None and self._end(self.ending)
 
     def renew(self, now: float) -> bool:
         """The destination still wants the blocks: the lease runs `lease_s` from now."""
-        if self.status.is_ended:
+        if self.status.is_ended or self.ending is not None:
             return False
         self.expires_at = now + self.lease_s
         return True
 
     def complete(self) -> bool:
-        """The destination has the KV (or gave up on it): release the pin."""
+        """The destination has the KV (or gave up on it): release the pin (after any pull in
+        progress)."""
         return self._end(TransferStatus.COMPLETED)
 
     def revoke(self) -> bool:
-        """The source aborted the request: release the pin; later pulls fail."""
+        """The source aborted the request: release the pin (after any pull in progress); later
+        pulls fail."""
         return self._end(TransferStatus.REVOKED)
 
     def expire(self, now: float) -> bool:
@@ -99,7 +111,10 @@ class Lease:
         return self._end(TransferStatus.EXPIRED)
 
     def _end(self, status: TransferStatus) -> bool:
-        if self.status.is_ended:
+        if self.status.is_ended or (self.ending is not None and self.status == TransferStatus.PULLING):
+            return False
+        if self.status == TransferStatus.PULLING:
+            self.ending = status  # the blocks are being read: end when the last pull does
             return False
         self.status = status
         self.num_pulls = 0
@@ -138,11 +153,16 @@ class LeaseTable:
         with self._lock:
             self._get(request_id).begin_pull(self.clock())
 
-    def end_pull(self, request_id: str) -> None:
+    def end_pull(self, request_id: str) -> bool:
+        """True when the transfer ended with this pull (an end came meanwhile): the caller frees
+        the pin."""
         with self._lock:
             lease = self._leases.get(request_id)
-            if lease is not None:
-                lease.end_pull(self.clock())
+            if lease is None or not lease.end_pull(self.clock()):
+                return False
+            del self._leases[request_id]
+            self._remember(lease, self.clock())
+            return True
 
     def renew(self, request_id: str) -> bool:
         """False for an unknown or ended transfer (the destination should give up on it)."""
@@ -151,8 +171,9 @@ class LeaseTable:
             return lease is not None and lease.renew(self.clock())
 
     def complete(self, request_id: str) -> bool:
-        """True when this call ended the transfer (the caller releases the pin); a completion
-        for a request not published yet is remembered and applied at its publish."""
+        """True when this call ended the transfer (the caller releases the pin); during a pull
+        the end waits for `end_pull`. A completion for a request not published yet is
+        remembered and applied at its publish."""
         return self._end(request_id, Lease.complete, remember_early=True)
 
     def revoke(self, request_id: str) -> bool:
