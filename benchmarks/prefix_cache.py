@@ -64,13 +64,11 @@ def text_ids(model: str, num_tokens: int, offset: int = 0) -> list[int]:
 # -- 1. TTFT through a cluster -------------------------------------------------------------------
 
 def start_cluster(args) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "services.cli", "serve", "--model", args.model, "--port", "0", "--no-http",
-               "--prefill-threads", str(args.threads), "--decode-threads", str(args.threads)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    for line in process.stdout:
-        if line.startswith("ready "):
-            return process, json.loads(line[len("ready "):])["router"]
-    raise RuntimeError(f"pdserve serve exited with {process.wait()} before ready")
+    from cluster import start_serve
+
+    process, ready = start_serve(args.model, "--prefill-threads", str(args.threads),
+                                 "--decode-threads", str(args.threads))
+    return process, ready["router"]
 
 
 def timed_request(stub, prompt: list[int]) -> tuple[float, int]:

@@ -16,7 +16,6 @@ Prints a table and writes JSON (default benchmarks/results/prefix_routing.json).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import subprocess
@@ -27,7 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from prefix_cache import text_ids, timed_request  # noqa: E402 - after the path setup
+from cluster import start_serve  # noqa: E402 - after the path setup
+from prefix_cache import text_ids, timed_request  # noqa: E402
 from report import write_result  # noqa: E402
 
 
@@ -45,14 +45,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def start_cluster(args, policy: str, redis_url: str) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "services.cli", "serve", "--model", args.model, "--port", "0", "--no-http",
-               "--num-prefill", "2", "--num-decode", "1", "--routing", policy, "--redis-url", redis_url,
-               "--num-blocks", str(args.num_blocks), "--prefill-threads", "1", "--decode-threads", "1"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    for line in process.stdout:
-        if line.startswith("ready "):
-            return process, json.loads(line[len("ready "):])["router"]
-    raise RuntimeError(f"pdserve serve exited with {process.wait()} before ready")
+    process, ready = start_serve(args.model, "--num-prefill", "2", "--num-decode", "1", "--routing", policy,
+                                 "--redis-url", redis_url, "--num-blocks", str(args.num_blocks),
+                                 "--prefill-threads", "1", "--decode-threads", "1")
+    return process, ready["router"]
 
 
 def run_policy(args, policy: str, redis_url: str, prompts: list[list[int]], order: list[int]) -> dict:
