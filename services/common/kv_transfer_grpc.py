@@ -114,7 +114,8 @@ class GrpcKVTransfer(InMemoryKVTransfer):
 
     def _failure(self, request_id: str, address: str, exc: grpc.RpcError, what: str) -> KVTransferError:
         reason = exc.code().name.lower()
-        metrics.KV_TRANSFER_FAILURES.labels(self.role, reason).inc()
+        if exc.code() != grpc.StatusCode.CANCELLED:  # cancelled by this side: not the transfer's fault
+            metrics.KV_TRANSFER_FAILURES.labels(self.role, reason).inc()
         return KVTransferError(f"{what} of {request_id!r} from {address}: {exc.code().name} {exc.details() or ''}",
                                reason=reason)
 
@@ -188,17 +189,20 @@ class GrpcKVTransfer(InMemoryKVTransfer):
             return super().pull(handle, first_block)
         return [piece for _, piece in self.pull_chunks(handle, first_block)]
 
-    def pull_chunks(self, handle: KVHandle, first_block: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
+    def pull_chunks(self, handle: KVHandle, first_block: int = 0,
+                    on_call: Callable[[grpc.Call], object] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         """(block offset from `first_block`, KV of the next blocks) as each chunk arrives: a
         read-only view of the received message, [num_layers, 2, n, block_size, num_kv_heads,
         head_dim]; together they cover the handle's blocks from `first_block` on, in order.
-        Raises KVTransferError (the stream failed, stalled past `timeout_s`, or was malformed)."""
+        `on_call(call)` gets the PullKV call as it starts (to cancel it from elsewhere).
+        Raises KVTransferError (the stream failed, stalled past `timeout_s`, was cancelled or
+        was malformed)."""
         if first_block >= len(handle.block_ids):
             return  # the destination's prefix cache holds every block
         address = self._address(handle)
         start, nbytes = time.perf_counter(), 0
         try:
-            for offset, piece in self._stream(handle, address, first_block):
+            for offset, piece in self._stream(handle, address, first_block, on_call):
                 if self.zero_block is not None and offset <= self.zero_block < offset + piece.shape[2]:
                     piece = piece.clone()  # received pieces are read-only
                     piece[:, :, self.zero_block - offset] = 0
@@ -211,7 +215,8 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         self.pull_seconds[handle.request_id] = time.perf_counter() - start
         metrics.KV_TRANSFER_TIME.labels(self.role).observe(self.pull_seconds[handle.request_id])
 
-    def _stream(self, handle: KVHandle, address: str, first_block: int) -> Iterator[tuple[int, torch.Tensor]]:
+    def _stream(self, handle: KVHandle, address: str, first_block: int,
+                on_call: Callable[[grpc.Call], object] | None) -> Iterator[tuple[int, torch.Tensor]]:
         """Decoded chunks, checked to cover the requested blocks in order. Raises grpc.RpcError,
         KVTransferError."""
         request = worker_pb2.PullKVRequest(handle=handle_to_proto(handle, address), first_block=first_block)
@@ -221,7 +226,10 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         )
         spec: KVCacheSpec | None = None
         next_block = first_block
-        for header, data in pull(request, timeout=self.timeout_s):
+        call = pull(request, timeout=self.timeout_s)
+        if on_call is not None:
+            on_call(call)
+        for header, data in call:
             if spec is None:
                 if header.layout is None:
                     raise KVTransferError(f"KV stream for {handle.request_id!r} has no layout", "failed")

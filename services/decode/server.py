@@ -66,7 +66,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             landed = False
             while (out := next_output(stream, context)) is not None:
                 if isinstance(out, KVReserved):  # pull on this thread; the batch keeps stepping
-                    self._write_kv(handle, out)
+                    self._write_kv(handle, out, context)
                     continue
                 if out.finish_reason in ("error", "kv_timeout"):
                     raise self._kv_failure(request_id, source, out.finish_reason)
@@ -93,12 +93,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 self.loop.abort(request_id)
             self.transfer.forget(request_id)
 
-    def _write_kv(self, handle, reserved: KVReserved) -> None:
+    def _write_kv(self, handle, reserved: KVReserved, context) -> None:
         """Pull the prompt KV the local prefix cache lacks straight into the reserved blocks
-        (the engine keeps them allocated until `kv_written`). Raises KVTransferError."""
+        (the engine keeps them allocated until `kv_written`); a cancelled Decode call cancels
+        the pull. Raises KVTransferError."""
         engine, ok = self.loop.engine, False
         try:
-            for offset, piece in self.transfer.pull_chunks(handle, reserved.first_block):
+            for offset, piece in self.transfer.pull_chunks(handle, reserved.first_block,
+                                                           on_call=lambda call: context.add_callback(call.cancel)):
                 num_blocks = piece.shape[2]
                 engine.kv_cache.spec.check_transfer(piece, min(num_blocks, len(reserved.block_ids) - offset))
                 engine.kv_cache.write_blocks(list(reserved.block_ids[offset : offset + num_blocks]), piece)

@@ -117,6 +117,20 @@ def test_a_request_queued_for_blocks_keeps_its_lease_alive(direct, real_text_ids
     assert _free(decode, "decode") == 10
 
 
+def test_a_caller_that_gives_up_mid_transfer_frees_the_decode_blocks_at_once(direct, real_text_ids):
+    """The caller's 1 s deadline passes while the pull is stalled (4 s): the decode worker cancels
+    the pull and frees the reserved blocks then, not when the stall or its own timeout ends."""
+    prefill, decode, *_ = direct
+    prompt = real_text_ids[800:880]
+    handle = _prefill(prefill, "impatient", prompt).kv_handle
+    with pytest.raises(grpc.RpcError) as err:
+        _decode(decode, "impatient", prompt, handle, timeout=1.0)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert _wait(lambda: _free(decode, "decode") == 10, 3, "decode blocks freed") < 1.5
+    # The decode worker gave the KV up, so it told the prefill worker to unpin (no lease lapse).
+    _wait(lambda: _pinned(prefill) == 0, LEASE_S, "the pin released")
+
+
 def test_decode_killed_mid_transfer_prefill_frees_within_the_lease(direct, real_text_ids):
     prefill, decode, *_ = direct
     prompt = real_text_ids[400:480]
