@@ -5,18 +5,23 @@ message and out again on each side. These two functions write and read the same 
 format (`worker.proto`'s KVChunk: any protobuf parser reads what `encode_chunk` writes, and
 `decode_chunk` reads what protobuf writes), but `encode_chunk` builds the message with one copy
 straight from the KV cache's memory and `decode_chunk` returns the KV bytes as a view into the
-received message.
+received message, which `chunk_tensor` turns into a tensor without a copy.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from services.common.pb import common_pb2, worker_pb2
+from services.engine.errors import KVTransferError
 
 _DATA_TAG = b"\x22"  # field 4 (data), wire type 2 (length-delimited)
 _VARINT, _LEN = 0, 2
+_STORAGE_DTYPES = {torch.bfloat16: torch.int16}  # frombuffer-able stand-ins (same bytes)
 
 
 @dataclass(frozen=True)
@@ -82,3 +87,16 @@ def decode_chunk(raw: bytes) -> tuple[ChunkHeader, memoryview]:
     layout = common_pb2.KVLayout.FromString(bytes(fields[1])) if 1 in fields else None
     data = fields.get(4, memoryview(b""))
     return ChunkHeader(int(fields.get(2, 0)), int(fields.get(3, 0)), layout), data
+
+
+def chunk_tensor(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A read-only tensor of `shape` over a chunk's received bytes (no copy: copy from it, never
+    write); KVTransferError if the sizes disagree."""
+    storage = _STORAGE_DTYPES.get(dtype, dtype)
+    expected = torch.Size(shape).numel() * torch.empty((), dtype=storage).element_size()
+    if data.nbytes != expected:
+        raise KVTransferError(f"kv chunk: {data.nbytes} bytes do not fill {shape} {dtype} ({expected} bytes)", "failed")
+    with warnings.catch_warnings():  # read-only on purpose: the engine only copies from it
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.frombuffer(data, dtype=storage) if expected else torch.empty(0, dtype=storage)
+    return tensor.view(dtype).view(shape) if storage is not dtype else tensor.view(shape)

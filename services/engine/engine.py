@@ -22,7 +22,6 @@ from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.errors import (
     InvalidRequestError,
     KVHandshakeError,
-    KVTransferError,
     RequestNotFoundError,
 )
 from services.engine.kv_cache import KVCache
@@ -34,6 +33,7 @@ from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
 from services.engine.loader import model_id, resolve_model
 from services.engine.model_runner import ModelRunner, check_model_config, load_model, resolve_max_model_len
 from services.engine.outputs import CompletionOutput, KVReserved, RequestOutput
+from services.engine.remote_kv import RemoteKV
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput
@@ -59,7 +59,8 @@ class Engine(KVSource):
             model_id=self.model_id if config.enable_prefix_caching else None, record_events=config.enable_kv_events,
         )
         self.kv_transfer = kv_transfer or InMemoryKVTransfer()
-        self.scheduler = Scheduler(config, self.kv_cache, kv_ready=self._kv_ready)
+        self.scheduler = Scheduler(config, self.kv_cache, kv_ready=lambda r: self.remote.ready(r))
+        self.remote = RemoteKV(self.kv_cache, self.scheduler, self.kv_transfer)
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
         self.tokenizer = _load_tokenizer(self.model_path)
         self.checker = RequestChecker(config, self.runner.vocab_size, num_blocks, self.tokenizer)
@@ -69,8 +70,6 @@ class Engine(KVSource):
         self.requests: dict[str, Request] = {}
         self.pinned: dict[str, Request] = {}  # PREFILL role: finished, blocks held for export
         self._finished_at_admission: list[Request] = []  # DECODE: first token already ended it
-        self._writing: set[str] = set()  # DECODE: requests whose KV a caller is writing (claimed)
-        self._abandoned: dict[str, Request] = {}  # DECODE: ended while written: freed at kv_written
         self.last_step: SchedulerOutput | None = None
         self.last_forward_tokens: dict[str, int] = {}  # request_id -> tokens the last forward saw
         self._seeds = random.Random(config.seed)
@@ -163,44 +162,16 @@ class Engine(KVSource):
         then the engine never frees those blocks, even if the request ends. Otherwise the
         engine pulls through the transfer at admission.
         """
-        self.scheduler.reserve_waiting()
-        reserved = []
-        for request in self.scheduler.newly_reserved:
-            num_blocks = len(request.kv_handle.block_ids)
-            block_ids = tuple(request.block_table[request.kv_first_block : num_blocks])
-            reserved.append(KVReserved(request.request_id, request.kv_first_block, block_ids))
-            if claim_writes:
-                self._writing.add(request.request_id)
-        self.scheduler.newly_reserved.clear()
-        return reserved
+        return self.remote.take_reserved(claim_writes)
 
     def kv_written(self, request_id: str, ok: bool) -> None:
         """DECODE role: the caller that claimed the request's writes is done with its blocks;
         `ok`: every pulled block was written (the request may run). Frees the blocks of a
         request that ended meanwhile."""
-        self._writing.discard(request_id)
-        abandoned = self._abandoned.pop(request_id, None)
-        if abandoned is not None:
-            self.kv_cache.free(abandoned)
-            return
-        request = self.requests.get(request_id)
-        if ok and request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            request.kv_landed = True
-
-    def _kv_ready(self, request: Request) -> bool:
-        if request.kv_landed or request.kv_first_block >= len(request.kv_handle.block_ids):
-            return True
-        return request.request_id not in self._writing and self.kv_transfer.is_ready(request.kv_handle)
+        self.remote.written(request_id, self.requests.get(request_id), ok)
 
     def _end_remote(self, request: Request, status: RequestStatus) -> RequestOutput:
-        """End a DECODE request whose KV never loaded: let the source unpin, and free the blocks
-        now or, while a caller writes into them, at its `kv_written`."""
-        self.kv_transfer.complete(request.kv_handle)
-        request.finish(status)
-        writing = request.request_id in self._writing
-        self.scheduler.remove_running(request, free=not writing)
-        if writing:
-            self._abandoned[request.request_id] = request
+        self.remote.end(request, status)
         self.requests.pop(request.request_id, None)
         return self._output(request, request.output_token_ids[-1:])
 
@@ -226,30 +197,10 @@ class Engine(KVSource):
         return outputs
 
     def _load_remote_kv(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        """DECODE role: pull each newly admitted request's prompt KV into its blocks.
-
-        A request whose pull fails (the source released or lost it) ends with finish_reason
-        "error" and frees its blocks; the rest of the step goes on without it.
-        """
-        failed = []
-        for load in sched.remote_loads:
-            num_blocks = len(load.handle.block_ids)
-            try:
-                block = load.first_block
-                written = self.requests[load.request_id].kv_landed
-                pieces = self.kv_transfer.pull(load.handle, block) if block < num_blocks and not written else []
-                block = num_blocks if written else block
-                for piece in pieces:  # else every prompt block was cached here
-                    self.kv_cache.spec.check_transfer(piece, min(piece.shape[2], num_blocks - block))
-                    self.kv_cache.write_blocks(load.block_ids[block : block + piece.shape[2]], piece)
-                    block += piece.shape[2]
-                if block != num_blocks:
-                    raise InvalidRequestError("kv_handle", f"the pull covered {block} of {num_blocks} blocks")
-            except (RequestNotFoundError, InvalidRequestError, KVTransferError):
-                failed.append(self.requests[load.request_id])
-                self.kv_transfer.complete(load.handle)  # unusable here: let the source unpin
-                continue
-            self.kv_transfer.complete(load.handle)
+        """DECODE role: load each newly admitted request's prompt KV. A request whose KV cannot
+        be loaded ends with finish_reason "error" and frees its blocks; the step goes on
+        without it."""
+        failed = self.remote.load(sched.remote_loads, self.requests)
         failed_ids = {r.request_id for r in failed}
         sched.scheduled = [s for s in sched.scheduled if s.request_id not in failed_ids]
         for request in failed:
@@ -308,12 +259,6 @@ class Engine(KVSource):
             self.kv_cache.free(request)
 
     # -- prefix cache --------------------------------------------------------------------------
-
-    def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """How many leading full blocks of `token_ids` this engine's prefix cache holds now
-        (takes no references: a DECODE worker asks before pulling, to skip those blocks)."""
-        probe = Request("probe", list(token_ids), SamplingParams(), 0, cache_salt=cache_salt)
-        return len(self.kv_cache.get_computed_blocks(probe, len(token_ids) // self.config.block_size))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (for operators and tests); running requests keep their
@@ -390,7 +335,7 @@ class Engine(KVSource):
         """Raise RuntimeError if block accounting is broken (tests call it after every step)."""
         pool = self.kv_cache.pool
         pool.check_integrity()
-        holders = [*self.scheduler.running, *self.scheduler.reserved, *self.pinned.values(), *self._abandoned.values()]
+        holders = [*self.scheduler.running, *self.scheduler.reserved, *self.pinned.values(), *self.remote.abandoned]
         refs = collections.Counter(b for r in holders for b in r.block_table)
         wrong = [b for b in range(pool.num_blocks) if refs[b] != pool.ref_count(b)]
         if wrong:

@@ -17,7 +17,8 @@ from services.common.convert import handle_to_proto, logprobs_to_proto, sampling
 from services.common.engine_loop import EngineLoop
 from services.common.errors import ServiceUnavailableError
 from services.common.kv_publisher import KVEventPublisher
-from services.common.kv_transfer_grpc import GrpcKVTransfer, KVTransferServicer, add_kv_transfer_servicer
+from services.common.kv_transfer_grpc import GrpcKVTransfer
+from services.common.kv_transfer_service import KVTransferServicer, add_kv_transfer_servicer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.prefix_index import make_prefix_index
 from services.common.server import start_service, wait_for_termination

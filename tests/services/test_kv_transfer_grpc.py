@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from services.common.kv_transfer_grpc import GrpcKVTransfer, KVTransferServicer, add_kv_transfer_servicer
+from services.common.kv_transfer_grpc import GrpcKVTransfer
+from services.common.kv_transfer_service import KVTransferServicer, add_kv_transfer_servicer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import start_service
 from services.engine import EngineRole, SamplingParams
@@ -98,8 +99,7 @@ def test_pull_from_a_dead_address_fails_within_the_timeout(tiny_llama, prefill_s
 def test_chunks_are_protobuf_on_the_wire_and_views_on_arrival(dtype):
     """`encode_chunk` writes what protobuf writes; `decode_chunk` reads what protobuf writes; the
     KV arrives as a view of the received bytes, equal to the cache's blocks bit for bit."""
-    from services.common.kv_transfer_grpc import _tensor_view
-    from services.common.kv_wire import decode_chunk, encode_chunk
+    from services.common.kv_wire import chunk_tensor, decode_chunk, encode_chunk
     from services.common.pb import common_pb2
     from services.engine.kv_cache import KVCache, KVCacheSpec
 
@@ -114,13 +114,13 @@ def test_chunks_are_protobuf_on_the_wire_and_views_on_arrival(dtype):
     assert raw == worker_pb2.KVChunk(layout=layout, block_offset=3, num_blocks=5, data=proto.data).SerializeToString()
     header, data = decode_chunk(raw)
     assert (header.block_offset, header.num_blocks, header.layout) == (3, 5, layout)
-    assert torch.equal(_tensor_view(data, dtype, tuple(want.shape)), want)
+    assert torch.equal(chunk_tensor(data, dtype, tuple(want.shape)), want)
     header, _ = decode_chunk(worker_pb2.KVChunk(block_offset=7, num_blocks=1).SerializeToString())
     assert (header.block_offset, header.num_blocks, header.layout) == (7, 1, None)
     with pytest.raises(ValueError, match="truncated"):
         decode_chunk(raw[:-3])
     with pytest.raises(KVTransferError, match="do not fill"):
-        _tensor_view(data[:-2], dtype, tuple(want.shape))
+        chunk_tensor(data[:-2], dtype, tuple(want.shape))
 
 
 def test_partial_pulls_skip_cached_blocks(tiny_llama, prefill_side):

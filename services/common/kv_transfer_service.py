@@ -1,0 +1,115 @@
+"""KV transfer over gRPC, source side: the prefill worker's `KVTransfer` service.
+
+It answers handshakes (refusing any model or layout difference), streams a pinned request's
+blocks in chunks of at most 4 MiB read in place from the cache while the request's lease holds a
+pull, renews leases and releases pins (`services/engine/kv_transfer/lease.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from services.common import metrics
+from services.common.convert import handle_from_proto, peer_info_from_proto, peer_info_to_proto
+from services.common.kv_transfer_grpc import GrpcKVTransfer
+from services.common.kv_wire import encode_chunk
+from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.engine.errors import InvalidRequestError, KVHandshakeError
+from services.engine.kv_cache import KVCacheSpec
+from services.engine.kv_transfer.handshake import KVPeerInfo, mismatches
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 4 * 1024 * 1024
+T = TypeVar("T")
+
+
+class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
+    """Prefill side: handshakes, streams pinned blocks, renews and releases leases.
+
+    `on_engine(fn)` runs fn on the engine's thread (EngineLoop.call). `stall_s` (test-only fault
+    injection, `--debug-kv-stall-seconds`) holds every PullKV that long before its first chunk.
+    """
+
+    def __init__(self, transfer: GrpcKVTransfer, on_engine: Callable[[Callable[[], T]], T], peer_info: KVPeerInfo,
+                 chunk_bytes: int = CHUNK_BYTES, stall_s: float = 0.0) -> None:
+        self.transfer = transfer
+        self.on_engine = on_engine
+        self.peer_info = peer_info
+        self.layout = peer_info_to_proto(peer_info)[1]
+        self.block_bytes = KVCacheSpec(
+            peer_info.num_layers, peer_info.num_kv_heads, peer_info.head_dim, peer_info.block_size, peer_info.dtype
+        ).bytes_per_block
+        self.chunk_bytes = chunk_bytes
+        self.stall_s = stall_s
+
+    def Handshake(self, request, context):
+        remote = peer_info_from_proto(request.model_id, request.layout)
+        diff = mismatches(self.peer_info, remote)  # this worker is the source
+        if diff:
+            metrics.KV_TRANSFER_FAILURES.labels(self.transfer.role, "handshake").inc()
+            message = f"KV handshake from {request.engine_id or context.peer()} refused: " + "; ".join(diff)
+            logger.error("%s", message)
+            raise KVHandshakeError(message)
+        model_id, layout = peer_info_to_proto(self.peer_info)
+        return worker_pb2.KVHandshakeResponse(engine_id=self.transfer.engine_id, model_id=model_id, layout=layout,
+                                              lease_seconds=self.transfer.leases.lease_s)
+
+    def PullKV(self, request, context):
+        """Yields serialized KVChunks (`kv_wire.encode_chunk`, straight from the cache): register
+        with `add_kv_transfer_servicer`, whose PullKV passes bytes through unserialized."""
+        handle, _ = handle_from_proto(request.handle)
+        first_block, rid = request.first_block, handle.request_id
+        source = self.transfer.source(handle)
+        self.transfer.leases.begin_pull(rid)  # NOT_FOUND once released; no free while we read
+        try:
+            self._stall(context)
+            if not context.is_active():  # the destination went away during the stall
+                return
+            num_blocks = len(handle.block_ids)
+            if not 0 <= first_block < num_blocks:
+                raise InvalidRequestError("first_block", f"{first_block} outside the handle's {num_blocks} blocks")
+            per_chunk = max(1, self.chunk_bytes // self.block_bytes)
+            spans = [(start, min(start + per_chunk, num_blocks)) for start in range(first_block, num_blocks, per_chunk)]
+            for start, end in spans:
+                yield encode_chunk(start, end - start, self.layout if start == first_block else None,
+                                   source.kv_buffers(handle, start, end))
+            metrics.KV_TRANSFER_BYTES.labels(self.transfer.role).inc((num_blocks - first_block) * self.block_bytes)
+        finally:
+            if self.transfer.leases.end_pull(rid):  # released while we read: free it now
+                self.on_engine(lambda: self.transfer.release_pin(rid))
+
+    def _stall(self, context) -> None:
+        deadline = time.monotonic() + self.stall_s
+        while time.monotonic() < deadline and context.is_active():
+            time.sleep(0.05)
+
+    def RenewKVLease(self, request, context):
+        return worker_pb2.RenewKVLeaseResponse(renewed=[self.transfer.renew(rid) for rid in request.request_ids])
+
+    def ReleaseKV(self, request, context):
+        released = self.on_engine(lambda: self.transfer.release(request.request_id))
+        return worker_pb2.ReleaseKVResponse(released=released)
+
+
+def add_kv_transfer_servicer(servicer: KVTransferServicer, server: grpc.Server) -> None:
+    """Register the KVTransfer service; as the generated `add_KVTransferServicer_to_server`, but
+    PullKV's messages go out as the bytes `kv_wire.encode_chunk` made (no protobuf copy)."""
+    methods = {
+        "Handshake": grpc.unary_unary_rpc_method_handler(
+            servicer.Handshake, worker_pb2.KVHandshakeRequest.FromString,
+            worker_pb2.KVHandshakeResponse.SerializeToString),
+        "PullKV": grpc.unary_stream_rpc_method_handler(
+            servicer.PullKV, worker_pb2.PullKVRequest.FromString, lambda raw: raw),
+        "RenewKVLease": grpc.unary_unary_rpc_method_handler(
+            servicer.RenewKVLease, worker_pb2.RenewKVLeaseRequest.FromString,
+            worker_pb2.RenewKVLeaseResponse.SerializeToString),
+        "ReleaseKV": grpc.unary_unary_rpc_method_handler(
+            servicer.ReleaseKV, worker_pb2.ReleaseKVRequest.FromString, worker_pb2.ReleaseKVResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.KVTransfer", methods),))

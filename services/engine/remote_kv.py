@@ -1,0 +1,97 @@
+"""DECODE role: requests whose prompt KV comes through a transfer, inside one engine.
+
+The scheduler reserves their blocks; this module hands each reservation out (`take_reserved`),
+lets a caller claim the writing of the pulled KV into the reserved blocks (off the engine thread:
+the decode worker's RPC thread writes each chunk as it arrives), loads the KV itself at
+admission when nobody claimed it, and makes sure blocks a caller may still be writing are never
+freed under it: a request that ends meanwhile is kept aside until the writer reports back.
+"""
+
+from __future__ import annotations
+
+from services.engine.errors import InvalidRequestError, KVTransferError, RequestNotFoundError
+from services.engine.kv_cache import KVCache
+from services.engine.kv_transfer.base import KVTransfer
+from services.engine.outputs import KVReserved
+from services.engine.request import Request, RequestStatus
+from services.engine.scheduler import RemoteLoad, Scheduler
+
+
+class RemoteKV:
+    """Reservations, claimed writes and admission-time loads of one DECODE engine (engine thread)."""
+
+    def __init__(self, kv_cache: KVCache, scheduler: Scheduler, kv_transfer: KVTransfer) -> None:
+        self.kv_cache = kv_cache
+        self.scheduler = scheduler
+        self.kv_transfer = kv_transfer
+        self._writing: set[str] = set()  # requests whose KV a caller is writing (claimed)
+        self._abandoned: dict[str, Request] = {}  # ended while claimed: freed at `written`
+
+    def take_reserved(self, claim_writes: bool) -> list[KVReserved]:
+        """See `Engine.take_reserved`."""
+        self.scheduler.reserve_waiting()
+        reserved = []
+        for request in self.scheduler.newly_reserved:
+            num_blocks = len(request.kv_handle.block_ids)
+            block_ids = tuple(request.block_table[request.kv_first_block : num_blocks])
+            reserved.append(KVReserved(request.request_id, request.kv_first_block, block_ids))
+            if claim_writes:
+                self._writing.add(request.request_id)
+        self.scheduler.newly_reserved.clear()
+        return reserved
+
+    def written(self, request_id: str, request: Request | None, ok: bool) -> None:
+        """The caller that claimed `request_id`'s writes is done; `ok`: all of it landed."""
+        self._writing.discard(request_id)
+        abandoned = self._abandoned.pop(request_id, None)
+        if abandoned is not None:
+            self.kv_cache.free(abandoned)
+        elif ok and request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            request.kv_landed = True
+
+    def ready(self, request: Request) -> bool:
+        """Whether a reserved request may be admitted: its KV landed, the local prefix cache
+        holds it all, or the transfer can serve it now and nobody claimed the writing."""
+        if request.kv_landed or request.kv_first_block >= len(request.kv_handle.block_ids):
+            return True
+        return request.request_id not in self._writing and self.kv_transfer.is_ready(request.kv_handle)
+
+    def end(self, request: Request, status: RequestStatus) -> None:
+        """End a request whose KV never loaded: let the source unpin, and free the blocks now
+        or, while a caller writes into them, when it reports back."""
+        self.kv_transfer.complete(request.kv_handle)
+        request.finish(status)
+        writing = request.request_id in self._writing
+        self.scheduler.remove_running(request, free=not writing)
+        if writing:
+            self._abandoned[request.request_id] = request
+
+    def load(self, loads: list[RemoteLoad], requests: dict[str, Request]) -> list[Request]:
+        """At admission: pull (unless a caller already wrote it) and write each request's prompt
+        KV, then let the source unpin. Returns the requests whose KV could not be loaded (the
+        source released or lost it, or sent another layout); the caller ends them."""
+        failed = []
+        for load in loads:
+            request = requests[load.request_id]
+            try:
+                if not request.kv_landed:
+                    self._pull_into(load)
+            except (RequestNotFoundError, InvalidRequestError, KVTransferError):
+                failed.append(request)
+            self.kv_transfer.complete(load.handle)
+        return failed
+
+    def _pull_into(self, load: RemoteLoad) -> None:
+        num_blocks, block = len(load.handle.block_ids), load.first_block
+        pieces = self.kv_transfer.pull(load.handle, block) if block < num_blocks else []
+        for piece in pieces:
+            self.kv_cache.spec.check_transfer(piece, min(piece.shape[2], num_blocks - block))
+            self.kv_cache.write_blocks(load.block_ids[block : block + piece.shape[2]], piece)
+            block += piece.shape[2]
+        if block != num_blocks:
+            raise InvalidRequestError("kv_handle", f"the pull covered {block} of {num_blocks} blocks")
+
+    @property
+    def abandoned(self) -> list[Request]:
+        """Ended requests whose blocks wait for their writer (they still hold those blocks)."""
+        return list(self._abandoned.values())
