@@ -169,9 +169,14 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
         serve.add_argument(f"--{role}-threads", type=int, default=None, help=f"--threads of each {role} worker")
         serve.add_argument(f"--{role}-cpus", default=None, help=f"--cpus of each {role} worker, e.g. 0-3")
     _add_routing_flags(serve)
-    serve.add_argument("--kv-lease-seconds", type=float, default=30.0)
-    serve.add_argument("--kv-transfer-timeout", type=float, default=30.0)
-    serve.add_argument("--request-timeout", type=float, default=300.0)
+    serve.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                       help="seconds prompt KV stays pinned on a prefill worker without a renewal")
+    serve.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                       help="seconds a decode worker waits for a request's prompt KV (blocks, then the pull)")
+    serve.add_argument("--max-num-waiting-for-kv", type=int, default=64,
+                       help="requests a decode worker queues for KV blocks; more get RESOURCE_EXHAUSTED")
+    serve.add_argument("--request-timeout", type=float, default=300.0,
+                       help="seconds per request whose client set no deadline")
     serve.add_argument("--start-timeout", type=float, default=120.0,
                        help="seconds each service may take to become ready")
 

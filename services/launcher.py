@@ -81,7 +81,8 @@ def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
     if role == "prefill":
         return argv + _flags(kv_lease_seconds=args.kv_lease_seconds, redis_url=args.redis_url,
                              index_ttl=args.index_ttl)
-    return argv + _flags(kv_transfer_timeout=args.kv_transfer_timeout)
+    return argv + _flags(kv_transfer_timeout=args.kv_transfer_timeout,
+                         max_num_waiting_for_kv=args.max_num_waiting_for_kv)
 
 
 def router_argv(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> list[str]:

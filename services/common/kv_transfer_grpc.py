@@ -129,6 +129,7 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 metrics.KV_TRANSFER_FAILURES.labels(self.role, "handshake").inc()
+                logger.error("%s (answered by %s)", exc.details(), address)
                 raise KVHandshakeError(exc.details() or "KV handshake refused") from None
             raise self._failure(handle.request_id, address, exc, "handshake") from None
         try:

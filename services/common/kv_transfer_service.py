@@ -1,8 +1,8 @@
 """KV transfer over gRPC, source side: the prefill worker's `KVTransfer` service.
 
 It answers handshakes (refusing any model or layout difference), streams a pinned request's
-blocks in chunks of at most 4 MiB read in place from the cache while the request's lease holds a
-pull, renews leases and releases pins (`services/engine/kv_transfer/lease.py`).
+blocks in chunks of at most 4 MiB, each read in place from the cache while the request's lease
+holds a pull, renews leases and releases pins (`services/engine/kv_transfer/lease.py`).
 """
 
 from __future__ import annotations
@@ -62,27 +62,35 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
 
     def PullKV(self, request, context):
         """Yields serialized KVChunks (`kv_wire.encode_chunk`, straight from the cache): register
-        with `add_kv_transfer_servicer`, whose PullKV passes bytes through unserialized."""
+        with `add_kv_transfer_servicer`, whose PullKV passes bytes through unserialized.
+
+        Each chunk is read under a pull on the request's lease (its blocks cannot be freed during
+        the read) and renews the lease; between chunks the lease runs as usual, so a stream whose
+        receiver hangs cannot hold the blocks longer than a lease. Raises RequestNotFoundError
+        (NOT_FOUND) once the transfer has ended, before or during the stream."""
         handle, _ = handle_from_proto(request.handle)
-        first_block, rid = request.first_block, handle.request_id
+        first_block, rid, leases = request.first_block, handle.request_id, self.transfer.leases
         source = self.transfer.source(handle)
-        self.transfer.leases.begin_pull(rid)  # NOT_FOUND once released; no free while we read
-        try:
-            self._stall(context)
-            if not context.is_active():  # the destination went away during the stall
+        num_blocks = len(handle.block_ids)
+        if not 0 <= first_block < num_blocks:
+            raise InvalidRequestError("first_block", f"{first_block} outside the handle's {num_blocks} blocks")
+        if not leases.renew(rid):
+            leases.begin_pull(rid)  # raises NOT_FOUND, saying how the transfer ended
+        self._stall(context)
+        per_chunk = max(1, self.chunk_bytes // self.block_bytes)
+        for start in range(first_block, num_blocks, per_chunk):
+            if not context.is_active():  # the destination went away
                 return
-            num_blocks = len(handle.block_ids)
-            if not 0 <= first_block < num_blocks:
-                raise InvalidRequestError("first_block", f"{first_block} outside the handle's {num_blocks} blocks")
-            per_chunk = max(1, self.chunk_bytes // self.block_bytes)
-            spans = [(start, min(start + per_chunk, num_blocks)) for start in range(first_block, num_blocks, per_chunk)]
-            for start, end in spans:
-                yield encode_chunk(start, end - start, self.layout if start == first_block else None,
-                                   source.kv_buffers(handle, start, end))
-            metrics.KV_TRANSFER_BYTES.labels(self.transfer.role).inc((num_blocks - first_block) * self.block_bytes)
-        finally:
-            if self.transfer.leases.end_pull(rid):  # released while we read: free it now
-                self.on_engine(lambda: self.transfer.release_pin(rid))
+            end = min(start + per_chunk, num_blocks)
+            leases.begin_pull(rid)
+            try:
+                chunk = encode_chunk(start, end - start, self.layout if start == first_block else None,
+                                     source.kv_buffers(handle, start, end))
+            finally:
+                if leases.end_pull(rid):  # released while we read: free it now
+                    self.on_engine(lambda: self.transfer.release_pin(rid))
+            yield chunk
+        metrics.KV_TRANSFER_BYTES.labels(self.transfer.role).inc((num_blocks - first_block) * self.block_bytes)
 
     def _stall(self, context) -> None:
         deadline = time.monotonic() + self.stall_s

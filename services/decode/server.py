@@ -110,15 +110,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 self.loop.kv_written(reserved.request_id, ok)
 
     def _kv_failure(self, request_id: str, source: str, reason: str, detail: str = "") -> Exception:
-        """The status for a request whose prompt KV never landed."""
+        """The status for a request whose prompt KV never landed; `detail`: the transfer's own
+        error message, which names the request and the source."""
         if reason in ("kv_timeout", "deadline_exceeded"):
             if reason == "kv_timeout":
                 metrics.KV_TRANSFER_FAILURES.labels("decode", reason).inc()
             timeout = self.loop.engine.config.kv_transfer_timeout_s
             return TimeoutError(f"prompt KV of {request_id!r} from {source} did not arrive within {timeout:g} s "
-                                f"(--kv-transfer-timeout) {detail}".rstrip())
-        return PeerUnavailableError(f"prompt KV of {request_id!r} could not be pulled from {source}: "
-                                    f"{detail or reason}", peer=source)
+                                f"(--kv-transfer-timeout)")
+        return PeerUnavailableError(detail or f"prompt KV of {request_id!r} could not be pulled from {source}",
+                                    peer=source)
 
     def GetInfo(self, request, context):
         return worker_info(self.loop, "decode")

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from services.common.convert import sampling_to_proto
-from services.common.errors import ServiceUnavailableError, failed_peer, status_for
+from services.common.errors import PeerUnavailableError, ServiceUnavailableError, failed_peer, status_for
 from services.engine.errors import ResourceExhaustedError
 from services.common.pb import common_pb2, generate_pb2, worker_pb2
 from services.router.cancel import CancelScope, RequestCancelledError
@@ -247,6 +247,10 @@ class _RequestRun:
         address = self.flow.routing.pick_decode()
         try:
             yield from self._stream_decode(prepared, handle, text, address)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and failed_peer(exc) is None:  # the decode worker itself
+                raise PeerUnavailableError(f"decode worker {address}: {exc.details()}", peer=address) from exc
+            raise
         finally:
             self.flow.routing.decode_done(address)
 

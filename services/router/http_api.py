@@ -37,7 +37,6 @@ _HTTP_STATUS = {
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.FAILED_PRECONDITION: (503, "service_unavailable"),  # the pools cannot exchange KV
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
 }

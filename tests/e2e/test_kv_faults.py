@@ -131,6 +131,30 @@ def test_a_caller_that_gives_up_mid_transfer_frees_the_decode_blocks_at_once(dir
     _wait(lambda: _pinned(prefill) == 0, LEASE_S, "the pin released")
 
 
+def test_a_hung_decode_worker_cannot_hold_prefill_blocks_past_the_lease(direct, real_text_ids):
+    """SIGSTOP the decode worker mid-transfer: its renewals stop, the lease lapses and the prefill
+    worker frees the blocks; once resumed, the decode worker finds the KV gone (UNAVAILABLE) and
+    frees its own."""
+    prefill, decode, *_ = direct
+    prompt = real_text_ids[1200:1280]
+    handle = _prefill(prefill, "hung", prompt).kv_handle
+    errors = []
+    pull = threading.Thread(target=lambda: errors.append(pytest.raises(grpc.RpcError, _decode, decode, "hung",
+                                                                       prompt, handle).value.code()))
+    pull.start()
+    time.sleep(1.0)  # the pull is stalled at the prefill worker
+    decode.process.send_signal(signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        _wait(lambda: _pinned(prefill) == 0, LEASE_S + 3, "pinned blocks back to 0")
+        assert time.monotonic() - stopped <= LEASE_S + 1.0
+    finally:
+        decode.process.send_signal(signal.SIGCONT)
+    pull.join(timeout=30)
+    assert errors == [grpc.StatusCode.UNAVAILABLE]
+    _wait(lambda: _free(decode, "decode") == 10, 5, "decode blocks back")
+
+
 def test_decode_killed_mid_transfer_prefill_frees_within_the_lease(direct, real_text_ids):
     prefill, decode, *_ = direct
     prompt = real_text_ids[400:480]
@@ -144,7 +168,7 @@ def test_decode_killed_mid_transfer_prefill_frees_within_the_lease(direct, real_
     killed = time.monotonic()
     _wait(lambda: _pinned(prefill) == 0, LEASE_S + 3, "pinned blocks back to 0")
     assert time.monotonic() - killed <= LEASE_S + 1.0  # the lease runs from the broken pull
-    assert _metric(prefill, "pdserve_kv_transfer_failures_total", role="prefill", reason="lease_expired") == 1
+    assert _metric(prefill, "pdserve_kv_transfer_failures_total", role="prefill", reason="lease_expired") == 2
     assert worker_info(prefill.ready["grpc"], "prefill").num_free_blocks == worker_info(
         prefill.ready["grpc"], "prefill").num_blocks
 

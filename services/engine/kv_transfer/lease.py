@@ -9,8 +9,9 @@ nothing, so the blocks have exactly one path back to free.
 
 A pull reads the pinned blocks in place (no copy), so a transfer cannot end while a pull is in
 progress: a completion or revocation that arrives then is held, and the transfer ends (and the
-caller frees the pin) when the last pull ends. Each transition returns True exactly when the
-caller must free the pin now.
+caller frees the pin) when the last pull ends. A streaming source holds a pull only while it
+reads each chunk, so a receiver that hangs mid-stream cannot hold the blocks past a lease.
+Each transition returns True exactly when the caller must free the pin now.
 
     PUBLISHED --begin_pull--> PULLING --end_pull--> PUBLISHED
         |  \                     |
