@@ -4,10 +4,10 @@
 Pull model (as vLLM's NixlConnector): the prefill worker keeps a request's blocks pinned under a
 lease and serves them from its `KVTransfer` service. A decode worker handshakes once per prefill
 engine (model id and KV layout must match, else FAILED_PRECONDITION on both sides), pulls the
-blocks in chunks of at most `chunk_bytes` (4 MiB) of tensor bytes, renews the leases of every
-request it still wants from a background thread (every lease/3 seconds), and releases each
-request's pin with `ReleaseKV` once its KV has landed. Every call has a deadline: a stalled
-source fails the pull with DEADLINE_EXCEEDED after `timeout_s`, a dead one with UNAVAILABLE.
+blocks in chunks of at most 4 MiB of tensor bytes, renews the leases of every request it still
+wants from a background thread (every lease/3 seconds), and releases each request's pin with
+`ReleaseKV` once its KV has landed. Every call has a deadline: a stalled source fails the pull
+with DEADLINE_EXCEEDED after `timeout_s`, a dead one with UNAVAILABLE.
 """
 
 from __future__ import annotations
