@@ -97,13 +97,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         """Pull the prompt KV the local prefix cache lacks straight into the reserved blocks
         (the engine keeps them allocated until `kv_written`); a cancelled Decode call cancels
         the pull. Raises KVTransferError."""
-        engine, ok = self.loop.engine, False
+        kv_cache, ok = self.loop.engine.kv_cache, False
         try:
             for offset, piece in self.transfer.pull_chunks(handle, reserved.first_block,
                                                            on_call=lambda call: context.add_callback(call.cancel)):
-                num_blocks = piece.shape[2]
-                engine.kv_cache.spec.check_transfer(piece, min(num_blocks, len(reserved.block_ids) - offset))
-                engine.kv_cache.write_blocks(list(reserved.block_ids[offset : offset + num_blocks]), piece)
+                kv_cache.write_transferred(reserved.block_ids, offset, piece)
             ok = True
         finally:
             with contextlib.suppress(ShuttingDownError):

@@ -171,6 +171,15 @@ class KVCache:
         return [memoryview(array[layer, k, start : start + n])
                 for layer in range(array.shape[0]) for k in (0, 1) for start, n in runs]
 
+    def write_transferred(self, block_ids: Sequence[int], offset: int, piece: torch.Tensor) -> int:
+        """Write one transferred piece of KV ([num_layers, 2, n, ...]) into `block_ids[offset:
+        offset + n]`; returns `offset + n`. Raises InvalidRequestError (naming `kv_handle`) when
+        its layout is not exactly this cache's or it runs past `block_ids`."""
+        num_blocks = piece.shape[2]
+        self.spec.check_transfer(piece, min(num_blocks, len(block_ids) - offset))
+        self.write_blocks(list(block_ids[offset : offset + num_blocks]), piece)
+        return offset + num_blocks
+
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write `data` (shape as `read_blocks` returns, this cache's dtype) into the given
         blocks. On the CPU the copy is numpy's, one run of consecutive blocks at a time: it

@@ -85,9 +85,7 @@ class RemoteKV:
         num_blocks, block = len(load.handle.block_ids), load.first_block
         pieces = self.kv_transfer.pull(load.handle, block) if block < num_blocks else []
         for piece in pieces:
-            self.kv_cache.spec.check_transfer(piece, min(piece.shape[2], num_blocks - block))
-            self.kv_cache.write_blocks(load.block_ids[block : block + piece.shape[2]], piece)
-            block += piece.shape[2]
+            block = self.kv_cache.write_transferred(load.block_ids[:num_blocks], block, piece)
         if block != num_blocks:
             raise InvalidRequestError("kv_handle", f"the pull covered {block} of {num_blocks} blocks")
 

@@ -120,11 +120,7 @@ class Scheduler:
         if not self.kv_cache.allocate_slots(request, request.num_tokens - num_cached, cached):
             return False
         request.kv_first_block = len(cached)
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = num_cached
-        if self.kv_cache.prefix_caching:
-            self.prefix_cache_queries += num_prompt
-            self.prefix_cache_hits += num_cached
+        self._record_prefix_hit(request, num_prompt, num_cached)
         self.reserved.append(request)
         self.newly_reserved.append(request)
         return True
@@ -184,11 +180,7 @@ class Scheduler:
                 break
             request.num_computed_tokens = num_cached
             self.waiting.popleft()
-            if self.kv_cache.prefix_caching:
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += num_cached
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_cached
+            self._record_prefix_hit(request, request.num_tokens, num_cached)
             self._start(request, num_new, out)
             budget -= num_new
 
@@ -209,6 +201,15 @@ class Scheduler:
             self._start(request, num_new, out)
             budget -= num_new
         return budget
+
+    def _record_prefix_hit(self, request: Request, num_queried: int, num_cached: int) -> None:
+        """Count a lookup of `num_queried` tokens that found `num_cached`; the first admission's
+        hit is the request's `num_cached_tokens`."""
+        if self.kv_cache.prefix_caching:
+            self.prefix_cache_queries += num_queried
+            self.prefix_cache_hits += num_cached
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached
 
     def _start(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         request.start_running()

@@ -115,8 +115,9 @@ class KVTransfer(ABC):
 
     @abstractmethod
     def is_ready(self, handle: KVHandle) -> bool:
-        """Whether `pull` can return the handle's blocks now without waiting on a network (a
-        source in this process, or a copy already fetched)."""
+        """Whether `pull` can return the handle's blocks now without waiting on a network (the
+        source is in this process). A DECODE engine admits a request whose transfer is not
+        ready only once a caller wrote its KV (`Engine.take_reserved(claim_writes=True)`)."""
 
     @abstractmethod
     def pull(self, handle: KVHandle, first_block: int = 0) -> list[torch.Tensor]:
