@@ -15,9 +15,20 @@ def start_serve(model: str, *flags: str) -> tuple[subprocess.Popen, dict]:
 
     Raises RuntimeError if it exits before it is ready. The caller terminates the process.
     """
-    command = [sys.executable, "-m", "services.cli", "serve", "--model", model, "--port", "0", "--no-http", *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        "0",
+        "--no-http",
+        *flags,
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     for line in process.stdout:
         if line.startswith("ready "):
-            return process, json.loads(line[len("ready "):])
+            return process, json.loads(line[len("ready ") :])
     raise RuntimeError(f"pdserve serve exited with {process.wait()} before ready")

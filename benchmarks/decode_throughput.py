@@ -22,10 +22,10 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
-
 from equivalence import judge
 from report import write_result
+from transformers import AutoModelForCausalLM
+
 from services.engine import Engine, EngineConfig, SamplingParams
 from services.engine.loader import resolve_model
 
@@ -37,9 +37,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-sizes", default="1,4,16,32,64")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both sides")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per point; the fastest counts, for both sides")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_throughput.json"))
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch intra-op threads for both sides"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs per point; the fastest counts, for both sides"
+    )
+    parser.add_argument(
+        "--out", default=str(Path(__file__).parent / "results" / "decode_throughput.json")
+    )
     return parser.parse_args()
 
 
@@ -55,7 +61,9 @@ def copy_bandwidth(num_bytes: int = 256 << 20) -> float:
     return 2 * num_bytes / best
 
 
-def run_pdserve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], list[float]]:
+def run_pdserve(
+    engine: Engine, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, list[list[int]], list[float]]:
     """(wall seconds, outputs, per-step seconds after the first) for all prompts at once."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
@@ -73,17 +81,23 @@ def run_pdserve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tu
 
 
 @torch.inference_mode()
-def run_transformers(model, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+def run_transformers(
+    model, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, list[list[int]]]:
     input_ids = torch.tensor(prompts)
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
         )
     wall = time.perf_counter() - start
-    return wall, out[:, input_ids.shape[1]:].tolist()
+    return wall, out[:, input_ids.shape[1] :].tolist()
 
 
 def bench_dtype(args, path: str, dtype: str, batch_sizes: list[int]) -> list[dict]:
@@ -97,7 +111,10 @@ def bench_dtype(args, path: str, dtype: str, batch_sizes: list[int]) -> list[dic
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())  # tied weights once
     rows = []
     for batch in batch_sizes:
-        prompts = [torch.randint(100, vocab, (args.prompt_len,), generator=generator).tolist() for _ in range(batch)]
+        prompts = [
+            torch.randint(100, vocab, (args.prompt_len,), generator=generator).tolist()
+            for _ in range(batch)
+        ]
         ours, theirs = [], []
         for _ in range(args.repeats):
             ours.append(run_pdserve(engine, prompts, args.max_tokens))
@@ -107,8 +124,10 @@ def bench_dtype(args, path: str, dtype: str, batch_sizes: list[int]) -> list[dic
         verdicts = [judge(engine, hf, dtype, p, a, b) for p, a, b in zip(prompts, pd_out, hf_out)]
         num_tokens = batch * args.max_tokens
         row = {
-            "dtype": dtype, "batch": batch,
-            "pdserve_tokens_per_s": num_tokens / pd_wall, "transformers_tokens_per_s": num_tokens / hf_wall,
+            "dtype": dtype,
+            "batch": batch,
+            "pdserve_tokens_per_s": num_tokens / pd_wall,
+            "transformers_tokens_per_s": num_tokens / hf_wall,
             "ratio": hf_wall / pd_wall,
             "pdserve_step_ms_median": 1000 * statistics.median(steps),
             "weight_bytes": weight_bytes,
@@ -117,23 +136,32 @@ def bench_dtype(args, path: str, dtype: str, batch_sizes: list[int]) -> list[dic
             "divergences": [v.detail for v in verdicts if not v.equal],
         }
         rows.append(row)
-        print(f"  {dtype:9s} batch {batch:3d}: pdserve {row['pdserve_tokens_per_s']:7.1f} tok/s, "
-              f"transformers {row['transformers_tokens_per_s']:7.1f} tok/s, x{row['ratio']:.2f}, "
-              f"equivalent {row['equivalent_outputs']}/{batch}", flush=True)
+        print(
+            f"  {dtype:9s} batch {batch:3d}: pdserve {row['pdserve_tokens_per_s']:7.1f} tok/s, "
+            f"transformers {row['transformers_tokens_per_s']:7.1f} tok/s, x{row['ratio']:.2f}, "
+            f"equivalent {row['equivalent_outputs']}/{batch}",
+            flush=True,
+        )
     return rows
 
 
 def print_table(rows: list[dict], bandwidth: float) -> None:
-    print(f"\n{'dtype':9s} {'batch':>5s} {'pdserve tok/s':>14s} {'HF tok/s':>9s} {'ratio':>6s} "
-          f"{'step ms':>8s} {'equivalent':>10s}")
+    print(
+        f"\n{'dtype':9s} {'batch':>5s} {'pdserve tok/s':>14s} {'HF tok/s':>9s} {'ratio':>6s} "
+        f"{'step ms':>8s} {'equivalent':>10s}"
+    )
     for r in rows:
-        print(f"{r['dtype']:9s} {r['batch']:5d} {r['pdserve_tokens_per_s']:14.1f} {r['transformers_tokens_per_s']:9.1f} "
-              f"{r['ratio']:5.2f}x {r['pdserve_step_ms_median']:8.1f} {r['equivalent_outputs']:>5d}/{r['batch']}")
+        print(
+            f"{r['dtype']:9s} {r['batch']:5d} {r['pdserve_tokens_per_s']:14.1f} {r['transformers_tokens_per_s']:9.1f} "
+            f"{r['ratio']:5.2f}x {r['pdserve_step_ms_median']:8.1f} {r['equivalent_outputs']:>5d}/{r['batch']}"
+        )
     for r in rows:
         if r["batch"] == 1:
             bound = 1000 * r["weight_bytes"] / bandwidth
-            print(f"single request, {r['dtype']}: step {r['pdserve_step_ms_median']:.1f} ms; memory-bandwidth bound "
-                  f"{bound:.1f} ms ({r['weight_bytes'] / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s copy)")
+            print(
+                f"single request, {r['dtype']}: step {r['pdserve_step_ms_median']:.1f} ms; memory-bandwidth bound "
+                f"{bound:.1f} ms ({r['weight_bytes'] / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s copy)"
+            )
 
 
 def main() -> None:
@@ -150,11 +178,18 @@ def main() -> None:
     summary = {}
     if "bfloat16" in single and "float32" in single:
         summary["bf16_single_vs_transformers_fp32"] = (
-            single["bfloat16"]["pdserve_tokens_per_s"] / single["float32"]["transformers_tokens_per_s"]
+            single["bfloat16"]["pdserve_tokens_per_s"]
+            / single["float32"]["transformers_tokens_per_s"]
         )
-        print(f"one bfloat16 request vs transformers float32: x{summary['bf16_single_vs_transformers_fp32']:.2f}")
-    write_result("decode_throughput.py", args, args.threads,
-                 {"copy_bandwidth_bytes_per_s": bandwidth, "rows": rows, "summary": summary})
+        print(
+            f"one bfloat16 request vs transformers float32: x{summary['bf16_single_vs_transformers_fp32']:.2f}"
+        )
+    write_result(
+        "decode_throughput.py",
+        args,
+        args.threads,
+        {"copy_bandwidth_bytes_per_s": bandwidth, "rows": rows, "summary": summary},
+    )
 
 
 if __name__ == "__main__":

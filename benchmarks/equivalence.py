@@ -40,7 +40,9 @@ def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
 
 
 @torch.inference_mode()
-def judge(engine: Engine, hf_model, dtype: str, prompt: list[int], ours: list[int], theirs: list[int]) -> Verdict:
+def judge(
+    engine: Engine, hf_model, dtype: str, prompt: list[int], ours: list[int], theirs: list[int]
+) -> Verdict:
     """Apply the rule to one request; `hf_model` is transformers' model in the run's dtype."""
     step = first_divergence(ours, theirs)
     if step is None:
@@ -53,10 +55,19 @@ def judge(engine: Engine, hf_model, dtype: str, prompt: list[int], ours: list[in
         top2 = logits.topk(2).values
         gap = float(top2[0] - top2[1])
         if ours[step] == int(logits.argmax()):  # transformers' batched run left the reference
-            return Verdict(False, step, True, f"step {step}: pdserve has the reference token; transformers' batch diverged")
+            return Verdict(
+                False,
+                step,
+                True,
+                f"step {step}: pdserve has the reference token; transformers' batch diverged",
+            )
         return Verdict(False, step, gap < TIE_GAP, f"step {step}: reference top-2 gap {gap:.1e}")
     ref_top = set(logits.topk(TOP_K).indices.tolist())
-    [out] = engine.generate([context], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=TOP_K))
+    [out] = engine.generate(
+        [context], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=TOP_K)
+    )
     our_top = {token_id for token_id, _ in out.logprobs[0].top}
     allowed = ours[step] in ref_top and theirs[step] in our_top
-    return Verdict(False, step, allowed, f"step {step}: each token in the other's top-{TOP_K}: {allowed}")
+    return Verdict(
+        False, step, allowed, f"step {step}: each token in the other's top-{TOP_K}: {allowed}"
+    )

@@ -48,7 +48,9 @@ CHUNK_BYTES = 4 * 1024 * 1024
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--pull-tokens", type=int, default=4096, help="prompt tokens whose KV is pulled")
+    parser.add_argument(
+        "--pull-tokens", type=int, default=4096, help="prompt tokens whose KV is pulled"
+    )
     parser.add_argument("--trials", type=int, default=15, help="pulls of each kind (median counts)")
     parser.add_argument("--prompt-lengths", default="128,512,1024,2048,4096")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each worker")
@@ -58,6 +60,7 @@ def parse_args() -> argparse.Namespace:
 
 
 # -- the bare grpcio byte stream -----------------------------------------------------------------
+
 
 def bare_server() -> None:
     """Serve BARE_METHOD: the request is a byte count (decimal); the reply streams a payload of
@@ -73,12 +76,17 @@ def bare_server() -> None:
     def stream(request: bytes, context):
         size = int(request)
         if size not in payloads:
-            payloads[size] = [os.urandom(min(CHUNK_BYTES, size - at)) for at in range(0, size, CHUNK_BYTES)]
+            payloads[size] = [
+                os.urandom(min(CHUNK_BYTES, size - at)) for at in range(0, size, CHUNK_BYTES)
+            ]
         yield from payloads[size]
 
-    handler = grpc.method_handlers_generic_handler("bench.ByteStream", {
-        "Stream": grpc.unary_stream_rpc_method_handler(stream, lambda b: b, lambda b: b),
-    })
+    handler = grpc.method_handlers_generic_handler(
+        "bench.ByteStream",
+        {
+            "Stream": grpc.unary_stream_rpc_method_handler(stream, lambda b: b, lambda b: b),
+        },
+    )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -89,7 +97,9 @@ def bare_server() -> None:
 
 def pull_bare(channel, nbytes: int) -> float:
     """Seconds to receive `nbytes` from the bare server (each message dropped on arrival)."""
-    call = channel.unary_stream(BARE_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    call = channel.unary_stream(
+        BARE_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
     start = time.perf_counter()
     received = sum(len(message) for message in call(str(nbytes).encode(), timeout=120))
     elapsed = time.perf_counter() - start
@@ -108,6 +118,7 @@ def pull_into(transfer, handle, destination) -> float:
 
 # -- 1. bandwidth ---------------------------------------------------------------------------------
 
+
 def bandwidth(args, prefill_address: str) -> dict:
     import grpc
     import torch
@@ -119,17 +130,27 @@ def bandwidth(args, prefill_address: str) -> dict:
 
     prompt = text_ids(args.model, args.pull_tokens, offset=1000)
     stub = worker_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill_address))
-    reply = stub.Prefill(worker_pb2.PrefillRequest(
-        request_id="bench-pull", prompt_token_ids=prompt,
-        sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-    ), timeout=300)
+    reply = stub.Prefill(
+        worker_pb2.PrefillRequest(
+            request_id="bench-pull",
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        ),
+        timeout=300,
+    )
     handle, source = handle_from_proto(reply.kv_handle)
     transfer = GrpcKVTransfer("bench", timeout_s=120)
     transfer.set_source(handle.request_id, source)  # renews the lease while we pull
-    bare = subprocess.Popen([sys.executable, __file__, "--bare-server"], stdout=subprocess.PIPE, text=True)
+    bare = subprocess.Popen(
+        [sys.executable, __file__, "--bare-server"], stdout=subprocess.PIPE, text=True
+    )
     try:
-        channel = grpc.insecure_channel(f"127.0.0.1:{bare.stdout.readline().strip()}", options=GRPC_OPTIONS)
-        destination = torch.cat(transfer.pull(handle), dim=2)  # also warms up; like the cache, allocated once
+        channel = grpc.insecure_channel(
+            f"127.0.0.1:{bare.stdout.readline().strip()}", options=GRPC_OPTIONS
+        )
+        destination = torch.cat(
+            transfer.pull(handle), dim=2
+        )  # also warms up; like the cache, allocated once
         nbytes = destination.numel() * destination.element_size()
         expected = destination.clone()
         pull_bare(channel, nbytes)
@@ -143,13 +164,22 @@ def bandwidth(args, prefill_address: str) -> dict:
         bare.kill()
         transfer.close()
         worker_pb2_grpc.KVTransferStub(grpc.insecure_channel(source)).ReleaseKV(
-            worker_pb2.ReleaseKVRequest(request_id=handle.request_id), timeout=30)
+            worker_pb2.ReleaseKVRequest(request_id=handle.request_id), timeout=30
+        )
     grpc_rate, bare_rate = nbytes / statistics.median(grpc_s), nbytes / statistics.median(bare_s)
-    return {"prompt_tokens": args.pull_tokens, "bytes": nbytes, "grpc_path_seconds": grpc_s, "bare_seconds": bare_s,
-            "grpc_path_bytes_per_s": grpc_rate, "bare_bytes_per_s": bare_rate, "ratio": grpc_rate / bare_rate}
+    return {
+        "prompt_tokens": args.pull_tokens,
+        "bytes": nbytes,
+        "grpc_path_seconds": grpc_s,
+        "bare_seconds": bare_s,
+        "grpc_path_bytes_per_s": grpc_rate,
+        "bare_bytes_per_s": bare_rate,
+        "ratio": grpc_rate / bare_rate,
+    }
 
 
 # -- 2. share of TTFT ------------------------------------------------------------------------------
+
 
 def ttft_share(args, router: str, bytes_per_token: int) -> list[dict]:
     import grpc
@@ -160,14 +190,23 @@ def ttft_share(args, router: str, bytes_per_token: int) -> list[dict]:
     rows = []
     for i, num_tokens in enumerate(int(n) for n in args.prompt_lengths.split(",")):
         request = generate_pb2.GenerateRequest(
-            token_ids=generate_pb2.TokenIds(ids=text_ids(args.model, num_tokens, offset=20000 + 100 * i)),
+            token_ids=generate_pb2.TokenIds(
+                ids=text_ids(args.model, num_tokens, offset=20000 + 100 * i)
+            ),
             sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
         )
         timings = [m.timings for m in stub.Generate(request, timeout=600) if m.finish_reason][0]
-        rows.append({"prompt_tokens": num_tokens, "ttft_s": timings.ttft, "kv_transfer_s": timings.kv_transfer,
-                     "kv_bytes": num_tokens * bytes_per_token,
-                     "share_of_ttft": 0.0, "share_if_first_token_waited": timings.kv_transfer
-                     / (timings.ttft + timings.kv_transfer)})
+        rows.append(
+            {
+                "prompt_tokens": num_tokens,
+                "ttft_s": timings.ttft,
+                "kv_transfer_s": timings.kv_transfer,
+                "kv_bytes": num_tokens * bytes_per_token,
+                "share_of_ttft": 0.0,
+                "share_if_first_token_waited": timings.kv_transfer
+                / (timings.ttft + timings.kv_transfer),
+            }
+        )
     return rows
 
 
@@ -178,8 +217,14 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    process, ready = start_serve(args.model, "--prefill-threads", str(args.threads),
-                                 "--decode-threads", str(args.threads), "--no-enable-prefix-caching")
+    process, ready = start_serve(
+        args.model,
+        "--prefill-threads",
+        str(args.threads),
+        "--decode-threads",
+        str(args.threads),
+        "--no-enable-prefix-caching",
+    )
     try:
         prefill = next(s["grpc"] for s in ready["services"] if s["role"] == "prefill")
         bw = bandwidth(args, prefill)
@@ -188,17 +233,32 @@ def main() -> None:
         process.terminate()
         process.wait(timeout=60)
     mib = 1024 * 1024
-    print(f"\nKV pull of a {bw['prompt_tokens']}-token prompt ({bw['bytes'] / mib:.0f} MiB), median of {args.trials}:")
-    print(f"  bare grpcio byte stream (messages dropped)       {bw['bare_bytes_per_s'] / mib:8.0f} MiB/s")
-    print(f"  pdserve gRPC KV path (written into a KV tensor)  {bw['grpc_path_bytes_per_s'] / mib:8.0f} MiB/s   "
-          f"{bw['ratio']:.0%} of bare (target >= 80%)")
-    print("\nprompt tokens | KV MiB | TTFT ms | transfer ms | in TTFT | share if the first token waited")
+    print(
+        f"\nKV pull of a {bw['prompt_tokens']}-token prompt ({bw['bytes'] / mib:.0f} MiB), median of {args.trials}:"
+    )
+    print(
+        f"  bare grpcio byte stream (messages dropped)       {bw['bare_bytes_per_s'] / mib:8.0f} MiB/s"
+    )
+    print(
+        f"  pdserve gRPC KV path (written into a KV tensor)  {bw['grpc_path_bytes_per_s'] / mib:8.0f} MiB/s   "
+        f"{bw['ratio']:.0%} of bare (target >= 80%)"
+    )
+    print(
+        "\nprompt tokens | KV MiB | TTFT ms | transfer ms | in TTFT | share if the first token waited"
+    )
     for row in shares:
-        print(f"{row['prompt_tokens']:13d} | {row['kv_bytes'] / mib:6.1f} | {row['ttft_s'] * 1e3:7.0f} | "
-              f"{row['kv_transfer_s'] * 1e3:11.1f} | {row['share_of_ttft']:7.0%} | "
-              f"{row['share_if_first_token_waited']:.1%}")
-    write_result("kv_transfer.py", args, args.threads, {"bandwidth": bw, "ttft_share": shares},
-                 skip=("bare_server",))
+        print(
+            f"{row['prompt_tokens']:13d} | {row['kv_bytes'] / mib:6.1f} | {row['ttft_s'] * 1e3:7.0f} | "
+            f"{row['kv_transfer_s'] * 1e3:11.1f} | {row['share_of_ttft']:7.0%} | "
+            f"{row['share_if_first_token_waited']:.1%}"
+        )
+    write_result(
+        "kv_transfer.py",
+        args,
+        args.threads,
+        {"bandwidth": bw, "ttft_share": shares},
+        skip=("bare_server",),
+    )
 
 
 if __name__ == "__main__":

@@ -37,18 +37,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--prefix-tokens", type=int, default=1000)
-    parser.add_argument("--trials", type=int, default=5, help="cold and warm requests each (median counts)")
-    parser.add_argument("--long-prompt", type=int, default=4096, help="tokens of the chunking prompt")
-    parser.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens when chunked")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of every worker / engine")
+    parser.add_argument(
+        "--trials", type=int, default=5, help="cold and warm requests each (median counts)"
+    )
+    parser.add_argument(
+        "--long-prompt", type=int, default=4096, help="tokens of the chunking prompt"
+    )
+    parser.add_argument(
+        "--chunk", type=int, default=512, help="max_num_batched_tokens when chunked"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch threads of every worker / engine"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefix_cache.json"))
-    parser.add_argument("--memory-child", nargs=3, metavar=("MODEL", "TOKENS", "BUDGET"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--memory-child", nargs=3, metavar=("MODEL", "TOKENS", "BUDGET"), help=argparse.SUPPRESS
+    )
     return parser.parse_args(argv)
 
 
 def text_ids(model: str, num_tokens: int, offset: int = 0) -> list[int]:
     """`num_tokens` token ids of real English-and-code text (stdlib sources)."""
-    import argparse as a, json as j, logging  # noqa: E401 - text sources
+    import argparse as a  # noqa: E401 - text sources
+    import json as j
+    import logging
 
     from transformers import AutoTokenizer
 
@@ -63,11 +75,13 @@ def text_ids(model: str, num_tokens: int, offset: int = 0) -> list[int]:
 
 # -- 1. TTFT through a cluster -------------------------------------------------------------------
 
+
 def start_cluster(args) -> tuple[subprocess.Popen, str]:
     from cluster import start_serve
 
-    process, ready = start_serve(args.model, "--prefill-threads", str(args.threads),
-                                 "--decode-threads", str(args.threads))
+    process, ready = start_serve(
+        args.model, "--prefill-threads", str(args.threads), "--decode-threads", str(args.threads)
+    )
     return process, ready["router"]
 
 
@@ -95,7 +109,9 @@ def bench_ttft(args) -> dict:
     from services.common.pb import generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
     prefix = text_ids(args.model, args.prefix_tokens)
-    questions = [text_ids(args.model, 12, offset=20000 + 40 * i) for i in range(2 * args.trials + 1)]
+    questions = [
+        text_ids(args.model, 12, offset=20000 + 40 * i) for i in range(2 * args.trials + 1)
+    ]
     process, router = start_cluster(args)
     try:
         channel = grpc.insecure_channel(router)
@@ -115,16 +131,23 @@ def bench_ttft(args) -> dict:
     warm_ttft = statistics.median(t for t, _ in warm)
     return {
         "prompt_tokens": len(prefix) + len(questions[0]),
-        "cold_ttft_s": [t for t, _ in cold], "warm_ttft_s": [t for t, _ in warm],
-        "cold_cached_tokens": [c for _, c in cold], "warm_cached_tokens": [c for _, c in warm],
-        "cold_ttft_median_s": cold_ttft, "warm_ttft_median_s": warm_ttft, "speedup": cold_ttft / warm_ttft,
+        "cold_ttft_s": [t for t, _ in cold],
+        "warm_ttft_s": [t for t, _ in warm],
+        "cold_cached_tokens": [c for _, c in cold],
+        "warm_cached_tokens": [c for _, c in warm],
+        "cold_ttft_median_s": cold_ttft,
+        "warm_ttft_median_s": warm_ttft,
+        "speedup": cold_ttft / warm_ttft,
     }
 
 
 # -- 2. chunked prefill: memory and time ---------------------------------------------------------
 
+
 def _rss_kib(field: str) -> int:
-    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+    return int(
+        re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)
+    )
 
 
 def memory_child(model: str, num_tokens: int, budget: int) -> dict:
@@ -150,8 +173,13 @@ def memory_child(model: str, num_tokens: int, budget: int) -> dict:
         if len(times) == 1:
             peak = _rss_kib("VmHWM")
     steps = -(-num_tokens // budget)
-    return {"budget": budget, "steps": steps, "rss_before_bytes": before * 1024,
-            "peak_added_bytes": (peak - before) * 1024, "prefill_seconds": min(times)}
+    return {
+        "budget": budget,
+        "steps": steps,
+        "rss_before_bytes": before * 1024,
+        "peak_added_bytes": (peak - before) * 1024,
+        "prefill_seconds": min(times),
+    }
 
 
 def bench_chunking(args) -> dict:
@@ -159,14 +187,28 @@ def bench_chunking(args) -> dict:
     for name, budget in (("unchunked", max(8192, args.long_prompt)), ("chunked", args.chunk)):
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         done = subprocess.run(
-            [sys.executable, __file__, "--memory-child", args.model, str(args.long_prompt), str(budget)],
-            capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200,
+            [
+                sys.executable,
+                __file__,
+                "--memory-child",
+                args.model,
+                str(args.long_prompt),
+                str(budget),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=1200,
         )
         if done.returncode != 0:
             raise RuntimeError(f"memory child ({name}) failed:\n{done.stderr[-3000:]}")
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"  {name:9s}: +{results[name]['peak_added_bytes'] / 2**20:7.1f} MiB peak, "
-              f"{results[name]['prefill_seconds']:.2f} s", flush=True)
+        print(
+            f"  {name:9s}: +{results[name]['peak_added_bytes'] / 2**20:7.1f} MiB peak, "
+            f"{results[name]['prefill_seconds']:.2f} s",
+            flush=True,
+        )
     unchunked, chunked = results["unchunked"], results["chunked"]
     results["memory_reduction"] = 1 - chunked["peak_added_bytes"] / unchunked["peak_added_bytes"]
     results["time_ratio"] = chunked["prefill_seconds"] / unchunked["prefill_seconds"]
@@ -182,23 +224,41 @@ def main() -> None:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
         print(json.dumps(memory_child(model, int(tokens), int(budget))))
         return
-    print(f"TTFT, {args.prefix_tokens}-token shared prefix + a new 12-token question ({args.trials} each):", flush=True)
+    print(
+        f"TTFT, {args.prefix_tokens}-token shared prefix + a new 12-token question ({args.trials} each):",
+        flush=True,
+    )
     ttft = bench_ttft(args)
-    print(f"  cold {1000 * ttft['cold_ttft_median_s']:.0f} ms, warm {1000 * ttft['warm_ttft_median_s']:.0f} ms "
-          f"(cached_tokens {ttft['warm_cached_tokens'][0]}): {ttft['speedup']:.1f}x", flush=True)
+    print(
+        f"  cold {1000 * ttft['cold_ttft_median_s']:.0f} ms, warm {1000 * ttft['warm_ttft_median_s']:.0f} ms "
+        f"(cached_tokens {ttft['warm_cached_tokens'][0]}): {ttft['speedup']:.1f}x",
+        flush=True,
+    )
     print(f"{args.long_prompt}-token prefill, budget {args.chunk} vs unchunked:", flush=True)
     chunking = bench_chunking(args)
     print(f"\n{'measure':44s} {'baseline':>12s} {'pdserve':>12s} {'ratio':>8s}")
-    print(f"{'TTFT median (cold -> warm prefix cache)':44s} {1000 * ttft['cold_ttft_median_s']:10.0f}ms "
-          f"{1000 * ttft['warm_ttft_median_s']:10.0f}ms {ttft['speedup']:7.1f}x")
+    print(
+        f"{'TTFT median (cold -> warm prefix cache)':44s} {1000 * ttft['cold_ttft_median_s']:10.0f}ms "
+        f"{1000 * ttft['warm_ttft_median_s']:10.0f}ms {ttft['speedup']:7.1f}x"
+    )
     u, c = chunking["unchunked"], chunking["chunked"]
-    print(f"{'peak memory added (unchunked -> chunked)':44s} {u['peak_added_bytes'] / 2**20:10.1f}MiB "
-          f"{c['peak_added_bytes'] / 2**20:10.1f}MiB {100 * chunking['memory_reduction']:6.0f}% less")
-    print(f"{'prefill time (unchunked -> chunked)':44s} {u['prefill_seconds']:11.2f}s {c['prefill_seconds']:11.2f}s "
-          f"{chunking['time_ratio']:7.2f}x")
+    print(
+        f"{'peak memory added (unchunked -> chunked)':44s} {u['peak_added_bytes'] / 2**20:10.1f}MiB "
+        f"{c['peak_added_bytes'] / 2**20:10.1f}MiB {100 * chunking['memory_reduction']:6.0f}% less"
+    )
+    print(
+        f"{'prefill time (unchunked -> chunked)':44s} {u['prefill_seconds']:11.2f}s {c['prefill_seconds']:11.2f}s "
+        f"{chunking['time_ratio']:7.2f}x"
+    )
     from report import write_result
 
-    write_result("prefix_cache.py", args, args.threads, {"ttft": ttft, "chunking": chunking}, skip=("memory_child",))
+    write_result(
+        "prefix_cache.py",
+        args,
+        args.threads,
+        {"ttft": ttft, "chunking": chunking},
+        skip=("memory_child",),
+    )
 
 
 if __name__ == "__main__":

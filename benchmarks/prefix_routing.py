@@ -37,21 +37,43 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=8, help="distinct system prompts")
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=6, help="shuffled passes over the prompts")
-    parser.add_argument("--num-blocks", type=int, default=260, help="KV blocks per worker (16 tokens each)")
-    parser.add_argument("--redis-url", default=None, help="default: a redis-server started on a free port")
+    parser.add_argument(
+        "--num-blocks", type=int, default=260, help="KV blocks per worker (16 tokens each)"
+    )
+    parser.add_argument(
+        "--redis-url", default=None, help="default: a redis-server started on a free port"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefix_routing.json"))
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks" / "results" / "prefix_routing.json")
+    )
     return parser.parse_args()
 
 
 def start_cluster(args, policy: str, redis_url: str) -> tuple[subprocess.Popen, str]:
-    process, ready = start_serve(args.model, "--num-prefill", "2", "--num-decode", "1", "--routing", policy,
-                                 "--redis-url", redis_url, "--num-blocks", str(args.num_blocks),
-                                 "--prefill-threads", "1", "--decode-threads", "1")
+    process, ready = start_serve(
+        args.model,
+        "--num-prefill",
+        "2",
+        "--num-decode",
+        "1",
+        "--routing",
+        policy,
+        "--redis-url",
+        redis_url,
+        "--num-blocks",
+        str(args.num_blocks),
+        "--prefill-threads",
+        "1",
+        "--decode-threads",
+        "1",
+    )
     return process, ready["router"]
 
 
-def run_policy(args, policy: str, redis_url: str, prompts: list[list[int]], order: list[int]) -> dict:
+def run_policy(
+    args, policy: str, redis_url: str, prompts: list[list[int]], order: list[int]
+) -> dict:
     import grpc
 
     from services.common.pb import generate_pb2_grpc
@@ -73,8 +95,14 @@ def run_policy(args, policy: str, redis_url: str, prompts: list[list[int]], orde
         process.terminate()
         process.wait(timeout=60)
     ttfts.sort()
-    return {"policy": policy, "requests": len(order), "ttft_s": ttfts, "ttft_p50_s": statistics.median(ttfts),
-            "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))], "hit_rate": cached / total}
+    return {
+        "policy": policy,
+        "requests": len(order),
+        "ttft_s": ttfts,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
+        "hit_rate": cached / total,
+    }
 
 
 def main() -> None:
@@ -88,27 +116,38 @@ def main() -> None:
         server.start()
         redis_url = server.url
     try:
-        prompts = [text_ids(args.model, args.prompt_tokens, offset=1200 * i) for i in range(args.prompts)]
+        prompts = [
+            text_ids(args.model, args.prompt_tokens, offset=1200 * i) for i in range(args.prompts)
+        ]
         order = [i for _ in range(args.rounds) for i in range(args.prompts)]
         random.Random(args.seed).shuffle(order)
         rows = []
         for policy in ("round_robin", "kv"):
             rows.append(run_policy(args, policy, redis_url, prompts, order))
             r = rows[-1]
-            print(f"  {policy:12s}: TTFT p50 {1000 * r['ttft_p50_s']:7.0f} ms, p90 {1000 * r['ttft_p90_s']:7.0f} ms, "
-                  f"hit rate {100 * r['hit_rate']:5.1f}%", flush=True)
+            print(
+                f"  {policy:12s}: TTFT p50 {1000 * r['ttft_p50_s']:7.0f} ms, p90 {1000 * r['ttft_p90_s']:7.0f} ms, "
+                f"hit rate {100 * r['hit_rate']:5.1f}%",
+                flush=True,
+            )
     finally:
         if server is not None:
             server.stop()
     rr, kv = rows
-    summary = {"ttft_p50_ratio": rr["ttft_p50_s"] / kv["ttft_p50_s"],
-               "hit_rate_ratio": kv["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")}
+    summary = {
+        "ttft_p50_ratio": rr["ttft_p50_s"] / kv["ttft_p50_s"],
+        "hit_rate_ratio": kv["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf"),
+    }
     print(f"\n{'policy':12s} {'TTFT p50':>10s} {'TTFT p90':>10s} {'hit rate':>9s}")
     for r in rows:
-        print(f"{r['policy']:12s} {1000 * r['ttft_p50_s']:8.0f}ms {1000 * r['ttft_p90_s']:8.0f}ms "
-              f"{100 * r['hit_rate']:8.1f}%")
-    print(f"KV-aware vs round-robin: TTFT p50 {summary['ttft_p50_ratio']:.1f}x lower, "
-          f"hit rate {summary['hit_rate_ratio']:.1f}x higher")
+        print(
+            f"{r['policy']:12s} {1000 * r['ttft_p50_s']:8.0f}ms {1000 * r['ttft_p90_s']:8.0f}ms "
+            f"{100 * r['hit_rate']:8.1f}%"
+        )
+    print(
+        f"KV-aware vs round-robin: TTFT p50 {summary['ttft_p50_ratio']:.1f}x lower, "
+        f"hit rate {summary['hit_rate_ratio']:.1f}x higher"
+    )
     write_result("prefix_routing.py", args, 1, {"rows": rows, "summary": summary})
 
 

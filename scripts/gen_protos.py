@@ -23,15 +23,29 @@ def generate(out: Path) -> list[Path]:
     from grpc_tools import protoc
 
     out.mkdir(parents=True, exist_ok=True)
-    protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / "pdserve" / "v1").glob("*.proto"))
+    protos = sorted(
+        str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / "pdserve" / "v1").glob("*.proto")
+    )
     well_known = Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{PROTO_ROOT}", f"-I{well_known}", f"--python_out={out}",
-            f"--pyi_out={out}", f"--grpc_python_out={out}", *protos]
+    args = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{well_known}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     written = []
     for path in (out / "pdserve" / "v1").iterdir():
-        text = re.sub(r"^from pdserve\.v1 import", "from services.common.pb import", path.read_text(), flags=re.M)
+        text = re.sub(
+            r"^from pdserve\.v1 import",
+            "from services.common.pb import",
+            path.read_text(),
+            flags=re.M,
+        )
         target = out / path.name
         target.write_text(text)
         written.append(target)

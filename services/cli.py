@@ -44,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
         _add_worker(add(role, help=f"start one {role} worker"), role)
     _add_router(add("router", help="start the router (public Generate API)"))
     _add_generate(add("generate", help="send one request to a router and stream the answer"))
-    reset = add("reset-prefix-cache", help="forget every cached prefix (a router: on all its workers)")
+    reset = add(
+        "reset-prefix-cache", help="forget every cached prefix (a router: on all its workers)"
+    )
     reset.add_argument("--url", default="127.0.0.1:50051", help="router or worker HOST:PORT")
     reset.add_argument("--timeout", type=float, default=30.0, help="deadline in seconds")
     return parser
@@ -64,8 +66,12 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=-1, help="-1 disables")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--logprobs", type=int, default=None,
-                        help="with --json: each token's log-probability and this many top alternatives (0..20)")
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="with --json: each token's log-probability and this many top alternatives (0..20)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
 
 
@@ -75,83 +81,164 @@ def _add_run(run: argparse.ArgumentParser) -> None:
     run.add_argument("--dtype", default=None, choices=DTYPES)
     run.add_argument("--block-size", type=int, default=16)
     run.add_argument("--max-model-len", type=int, default=None)
-    run.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                     help="most tokens in one step; longer prompts are prefilled in chunks of this size")
-    run.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                     help="reuse the KV of cached full blocks across requests")
+    run.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="most tokens in one step; longer prompts are prefilled in chunks of this size",
+    )
+    run.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of cached full blocks across requests",
+    )
     _add_sampling(run)
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Engine settings shared by the workers and `serve` (which passes them on)."""
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="HF model folder or smollm2-135m-instruct")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="HF model folder or smollm2-135m-instruct"
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--dtype", default=None, choices=DTYPES, help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument(
+        "--dtype", default=None, choices=DTYPES, help="default: float32 on CPU, bfloat16 on CUDA"
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-bytes)")
-    parser.add_argument("--kv-cache-bytes", dest="kv_cache_memory_bytes", type=int, default=1 << 30, metavar="BYTES",
-                        help="KV cache budget in bytes when --num-blocks is not given")
+    parser.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-bytes)"
+    )
+    parser.add_argument(
+        "--kv-cache-bytes",
+        dest="kv_cache_memory_bytes",
+        type=int,
+        default=1 << 30,
+        metavar="BYTES",
+        help="KV cache budget in bytes when --num-blocks is not given",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                        help="most tokens in one step; longer prompts are prefilled in chunks of this size")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV of cached full blocks across requests")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="most tokens in one step; longer prompts are prefilled in chunks of this size",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of cached full blocks across requests",
+    )
 
 
 def _add_listen_flags(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port, help="gRPC port (0 picks a free one)")
-    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: free)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: free)"
+    )
 
 
 def _add_worker(worker: argparse.ArgumentParser, role: str) -> None:
     _add_engine_flags(worker)
     _add_listen_flags(worker, port=0)
-    worker.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: the number of --cpus, else torch's)")
+    worker.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: the number of --cpus, else torch's)",
+    )
     worker.add_argument("--cpus", default=None, help="CPU affinity, e.g. 0,1 or 0-3")
     worker.add_argument("--engine-id", default=None, help="this engine's id (default: generated)")
-    worker.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="on SIGTERM: seconds to finish in-flight requests (new ones are refused)")
+    worker.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: seconds to finish in-flight requests (new ones are refused)",
+    )
     if role == "prefill":
-        worker.add_argument("--kv-lease-seconds", type=float, default=30.0,
-                            help="seconds a request's prompt KV stays pinned without a renewal from its "
-                                 "decode worker; then its blocks are freed")
-        worker.add_argument("--debug-kv-stall-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
+        worker.add_argument(
+            "--kv-lease-seconds",
+            type=float,
+            default=30.0,
+            help="seconds a request's prompt KV stays pinned without a renewal from its "
+            "decode worker; then its blocks are freed",
+        )
+        worker.add_argument(
+            "--debug-kv-stall-seconds", type=float, default=0.0, help=argparse.SUPPRESS
+        )
         _add_redis_flags(worker)
     else:
-        worker.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                            help="seconds a request may wait for its prompt KV (blocks, then the pull)")
-        worker.add_argument("--max-num-waiting-for-kv", type=int, default=64,
-                            help="requests queued for KV blocks when the cache is full; more get "
-                                 "RESOURCE_EXHAUSTED")
+        worker.add_argument(
+            "--kv-transfer-timeout",
+            type=float,
+            default=30.0,
+            help="seconds a request may wait for its prompt KV (blocks, then the pull)",
+        )
+        worker.add_argument(
+            "--max-num-waiting-for-kv",
+            type=int,
+            default=64,
+            help="requests queued for KV blocks when the cache is full; more get "
+            "RESOURCE_EXHAUSTED",
+        )
         worker.add_argument("--debug-zero-kv-block", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def _add_router(router: argparse.ArgumentParser) -> None:
-    router.add_argument("--model", default=DEFAULT_MODEL, help="for the tokenizer and chat template")
+    router.add_argument(
+        "--model", default=DEFAULT_MODEL, help="for the tokenizer and chat template"
+    )
     _add_listen_flags(router, port=50051)
-    router.add_argument("--prefill", action="append", required=True, metavar="HOST:PORT",
-                        help="a prefill worker (repeat for each)")
-    router.add_argument("--decode", action="append", required=True, metavar="HOST:PORT",
-                        help="a decode worker (repeat for each)")
+    router.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        help="a prefill worker (repeat for each)",
+    )
+    router.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        help="a decode worker (repeat for each)",
+    )
     router.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     _add_routing_flags(router)
-    router.add_argument("--http-port", type=int, default=None, help="also serve OpenAI-compatible HTTP")
-    router.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output in tokens (default: the model's)")
+    router.add_argument(
+        "--http-port", type=int, default=None, help="also serve OpenAI-compatible HTTP"
+    )
+    router.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's)",
+    )
 
 
 def _add_redis_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis-url", default=None,
-                        help="prefix index in Redis, e.g. redis://127.0.0.1:6379/0 (default: in-process)")
-    parser.add_argument("--index-ttl", type=float, default=10.0,
-                        help="seconds (> 0) a prefill worker stays in the prefix index without a heartbeat")
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="prefix index in Redis, e.g. redis://127.0.0.1:6379/0 (default: in-process)",
+    )
+    parser.add_argument(
+        "--index-ttl",
+        type=float,
+        default=10.0,
+        help="seconds (> 0) a prefill worker stays in the prefix index without a heartbeat",
+    )
 
 
 def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--routing", default="kv", choices=["kv", "least_loaded", "round_robin"],
-                        help="kv: prefix-cache overlap against load; least_loaded; round_robin")
+    parser.add_argument(
+        "--routing",
+        default="kv",
+        choices=["kv", "least_loaded", "round_robin"],
+        help="kv: prefix-cache overlap against load; least_loaded; round_robin",
+    )
     _add_redis_flags(parser)
 
 
@@ -160,25 +247,50 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="every service binds here")
     serve.add_argument("--port", type=int, default=50051, help="router gRPC port")
     serve.add_argument("--http-port", type=int, default=8000, help="router HTTP port")
-    serve.add_argument("--no-http", dest="http_port", action="store_const", const=None,
-                       help="no HTTP endpoint")
+    serve.add_argument(
+        "--no-http", dest="http_port", action="store_const", const=None, help="no HTTP endpoint"
+    )
     serve.add_argument("--metrics-port", type=int, default=0, help="router /metrics port (0: free)")
     serve.add_argument("--num-prefill", type=int, default=1, help="prefill workers")
     serve.add_argument("--num-decode", type=int, default=1, help="decode workers")
     for role in ("prefill", "decode"):
-        serve.add_argument(f"--{role}-threads", type=int, default=None, help=f"--threads of each {role} worker")
-        serve.add_argument(f"--{role}-cpus", default=None, help=f"--cpus of each {role} worker, e.g. 0-3")
+        serve.add_argument(
+            f"--{role}-threads", type=int, default=None, help=f"--threads of each {role} worker"
+        )
+        serve.add_argument(
+            f"--{role}-cpus", default=None, help=f"--cpus of each {role} worker, e.g. 0-3"
+        )
     _add_routing_flags(serve)
-    serve.add_argument("--kv-lease-seconds", type=float, default=30.0,
-                       help="seconds prompt KV stays pinned on a prefill worker without a renewal")
-    serve.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                       help="seconds a decode worker waits for a request's prompt KV (blocks, then the pull)")
-    serve.add_argument("--max-num-waiting-for-kv", type=int, default=64,
-                       help="requests a decode worker queues for KV blocks; more get RESOURCE_EXHAUSTED")
-    serve.add_argument("--request-timeout", type=float, default=300.0,
-                       help="seconds per request whose client set no deadline")
-    serve.add_argument("--start-timeout", type=float, default=120.0,
-                       help="seconds each service may take to become ready")
+    serve.add_argument(
+        "--kv-lease-seconds",
+        type=float,
+        default=30.0,
+        help="seconds prompt KV stays pinned on a prefill worker without a renewal",
+    )
+    serve.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a decode worker waits for a request's prompt KV (blocks, then the pull)",
+    )
+    serve.add_argument(
+        "--max-num-waiting-for-kv",
+        type=int,
+        default=64,
+        help="requests a decode worker queues for KV blocks; more get RESOURCE_EXHAUSTED",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="seconds per request whose client set no deadline",
+    )
+    serve.add_argument(
+        "--start-timeout",
+        type=float,
+        default=120.0,
+        help="seconds each service may take to become ready",
+    )
 
 
 def _add_generate(generate: argparse.ArgumentParser) -> None:
@@ -186,8 +298,12 @@ def _add_generate(generate: argparse.ArgumentParser) -> None:
     _add_prompt_source(generate)
     _add_sampling(generate)
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    generate.add_argument("--cache-salt", default="", help="share cached prefixes only with requests of this salt")
-    generate.add_argument("--timeout", type=float, default=300.0, help="request deadline in seconds")
+    generate.add_argument(
+        "--cache-salt", default="", help="share cached prefixes only with requests of this salt"
+    )
+    generate.add_argument(
+        "--timeout", type=float, default=300.0, help="request deadline in seconds"
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -195,19 +311,33 @@ def _run(args: argparse.Namespace) -> int:
     from services.engine.detokenizer import IncrementalDetokenizer
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
     )
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
-                                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 enable_prefix_caching=args.enable_prefix_caching))
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
+    )
     if args.prompt_ids is not None:
         prompt: str | list[int] = parse_ids(args.prompt_ids)
     elif args.chat is not None:
         if engine.tokenizer is None:
             raise ValueError("chat: the model folder has no tokenizer")
         messages = [{"role": "user", "content": args.chat}]
-        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
     else:
         prompt = args.prompt
     start = time.perf_counter()
@@ -220,21 +350,30 @@ def _run(args: argparse.Namespace) -> int:
             first_token_time = first_token_time or time.perf_counter()
             logprobs += [asdict(lp) for lp in out.new_logprobs]
             if detok is not None:
-                delta = detok.add_tokens(out.new_token_ids) + (detok.flush() if out.finished else "")
+                delta = detok.add_tokens(out.new_token_ids) + (
+                    detok.flush() if out.finished else ""
+                )
                 if not args.json:
                     print(delta, end="", flush=True)
             final = out
     end = time.perf_counter()
     if args.json:
-        print(json.dumps({
-            "text": detok.text if detok else "",
-            "token_ids": final.output_token_ids,
-            "finish_reason": final.finish_reason,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(final.output_token_ids),
-                      "cached_tokens": final.num_cached_tokens},
-            "timings": {"ttft": first_token_time - start, "e2e": end - start},
-            **({"logprobs": logprobs} if args.logprobs is not None else {}),
-        }))
+        print(
+            json.dumps(
+                {
+                    "text": detok.text if detok else "",
+                    "token_ids": final.output_token_ids,
+                    "finish_reason": final.finish_reason,
+                    "usage": {
+                        "prompt_tokens": len(prompt_ids),
+                        "completion_tokens": len(final.output_token_ids),
+                        "cached_tokens": final.num_cached_tokens,
+                    },
+                    "timings": {"ttft": first_token_time - start, "e2e": end - start},
+                    **({"logprobs": logprobs} if args.logprobs is not None else {}),
+                }
+            )
+        )
     else:
         print()
     return 0
@@ -282,8 +421,13 @@ def _reset_prefix_cache(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "run": _run, "serve": _serve, "prefill": _worker, "decode": _worker, "router": _start_service,
-    "generate": _generate, "reset-prefix-cache": _reset_prefix_cache,
+    "run": _run,
+    "serve": _serve,
+    "prefill": _worker,
+    "decode": _worker,
+    "router": _start_service,
+    "generate": _generate,
+    "reset-prefix-cache": _reset_prefix_cache,
 }
 
 

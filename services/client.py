@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.cli import parse_ids
-from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.pb import (
+    common_pb2,
+    generate_pb2,
+    generate_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from services.router.workers import check_address
 
 
@@ -28,13 +34,22 @@ class GenerateResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""  # "stop" | "length" ("" if the stream ended without one)
-    usage: dict[str, int] = field(default_factory=dict)  # prompt_tokens, completion_tokens, cached_tokens
+    usage: dict[str, int] = field(
+        default_factory=dict
+    )  # prompt_tokens, completion_tokens, cached_tokens
     timings: dict[str, float] = field(default_factory=dict)  # seconds, measured by the router
-    logprobs: list[dict] = field(default_factory=list)  # per token, when asked for: token_id, logprob, rank, top
+    logprobs: list[dict] = field(
+        default_factory=list
+    )  # per token, when asked for: token_id, logprob, rank, top
 
     def to_json(self, with_logprobs: bool = False) -> dict:
-        body = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "usage": self.usage, "timings": self.timings}
+        body = {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage,
+            "timings": self.timings,
+        }
         return {**body, "logprobs": self.logprobs} if with_logprobs else body
 
 
@@ -44,10 +59,18 @@ def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
     if args.seed is not None and not 0 <= args.seed < 1 << 64:
         raise ValueError(f"--seed: must be in [0, 2**64), got {args.seed}")
     sampling = common_pb2.SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
     )
-    request = generate_pb2.GenerateRequest(sampling=sampling, cache_salt=getattr(args, "cache_salt", ""))
+    request = generate_pb2.GenerateRequest(
+        sampling=sampling, cache_salt=getattr(args, "cache_salt", "")
+    )
     if args.prompt_ids is not None:
         ids = parse_ids(args.prompt_ids)
         if any(not -(1 << 31) <= i < 1 << 31 for i in ids):
@@ -76,17 +99,25 @@ def stream_generate(
             result.token_ids.extend(msg.token_ids)
             result.text += msg.text
             result.logprobs += [
-                {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank,
-                 "top": [[t.token_id, t.logprob] for t in lp.top]}
+                {
+                    "token_id": lp.token_id,
+                    "logprob": lp.logprob,
+                    "rank": lp.rank,
+                    "top": [[t.token_id, t.logprob] for t in lp.top],
+                }
                 for lp in msg.logprobs
             ]
             if msg.text and on_text is not None:
                 on_text(msg.text)
             if msg.finish_reason:
                 result.finish_reason = msg.finish_reason
-                result.usage = {name: getattr(msg.usage, name)
-                                for name in ("prompt_tokens", "completion_tokens", "cached_tokens")}
-                result.timings = {f.name: getattr(msg.timings, f.name) for f in msg.timings.DESCRIPTOR.fields}
+                result.usage = {
+                    name: getattr(msg.usage, name)
+                    for name in ("prompt_tokens", "completion_tokens", "cached_tokens")
+                }
+                result.timings = {
+                    f.name: getattr(msg.timings, f.name) for f in msg.timings.DESCRIPTOR.fields
+                }
     return result
 
 
@@ -100,7 +131,9 @@ def main(args: argparse.Namespace) -> int:
         print(text, end="", flush=True)
 
     try:
-        result = stream_generate(args.url, request, args.timeout, None if args.json else print_delta)
+        result = stream_generate(
+            args.url, request, args.timeout, None if args.json else print_delta
+        )
     except grpc.RpcError as exc:
         if streamed:
             print(flush=True)
@@ -125,5 +158,10 @@ def reset_prefix_cache(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         print(f"pdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    print(json.dumps({"num_workers": reply.num_workers, "num_hashes_dropped": reply.num_hashes_dropped}), flush=True)
+    print(
+        json.dumps(
+            {"num_workers": reply.num_workers, "num_hashes_dropped": reply.num_hashes_dropped}
+        ),
+        flush=True,
+    )
     return 0

@@ -17,4 +17,3 @@ def cache_dir() -> Path:
     root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
     root.mkdir(parents=True, exist_ok=True)
     return root
-

@@ -70,28 +70,48 @@ def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
     """`python -m services.cli prefill|decode ...` for one worker of `pdserve serve` (free ports)."""
     argv = [sys.executable, "-m", "services.cli", role]
     argv += _flags(
-        model=args.model, host=args.host, port=0, metrics_port=0, block_size=args.block_size,
-        dtype=args.dtype, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
-        kv_cache_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
+        model=args.model,
+        host=args.host,
+        port=0,
+        metrics_port=0,
+        block_size=args.block_size,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        num_blocks=args.num_blocks,
+        kv_cache_bytes=args.kv_cache_memory_bytes,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        threads=getattr(args, f"{role}_threads"), cpus=getattr(args, f"{role}_cpus"),
+        threads=getattr(args, f"{role}_threads"),
+        cpus=getattr(args, f"{role}_cpus"),
     )
     if not args.enable_prefix_caching:
         argv.append("--no-enable-prefix-caching")
     if role == "prefill":
-        return argv + _flags(kv_lease_seconds=args.kv_lease_seconds, redis_url=args.redis_url,
-                             index_ttl=args.index_ttl)
-    return argv + _flags(kv_transfer_timeout=args.kv_transfer_timeout,
-                         max_num_waiting_for_kv=args.max_num_waiting_for_kv)
+        return argv + _flags(
+            kv_lease_seconds=args.kv_lease_seconds,
+            redis_url=args.redis_url,
+            index_ttl=args.index_ttl,
+        )
+    return argv + _flags(
+        kv_transfer_timeout=args.kv_transfer_timeout,
+        max_num_waiting_for_kv=args.max_num_waiting_for_kv,
+    )
 
 
 def router_argv(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> list[str]:
     """`python -m services.cli router ...` pointed at the given worker addresses."""
     argv = [sys.executable, "-m", "services.cli", "router"]
     argv += _flags(
-        model=args.model, host=args.host, port=args.port, metrics_port=args.metrics_port,
-        request_timeout=args.request_timeout, http_port=args.http_port, max_model_len=args.max_model_len,
-        routing=args.routing, redis_url=args.redis_url, index_ttl=args.index_ttl,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        request_timeout=args.request_timeout,
+        http_port=args.http_port,
+        max_model_len=args.max_model_len,
+        routing=args.routing,
+        redis_url=args.redis_url,
+        index_ttl=args.index_ttl,
     )
     for address in prefill:
         argv += ["--prefill", address]
@@ -114,8 +134,14 @@ def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     for flag in ("start_timeout", "index_ttl"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag)}")
-    workers = [ChildSpec(f"prefill-{i}", "prefill", worker_argv(args, "prefill")) for i in range(args.num_prefill)]
-    workers += [ChildSpec(f"decode-{i}", "decode", worker_argv(args, "decode")) for i in range(args.num_decode)]
+    workers = [
+        ChildSpec(f"prefill-{i}", "prefill", worker_argv(args, "prefill"))
+        for i in range(args.num_prefill)
+    ]
+    workers += [
+        ChildSpec(f"decode-{i}", "decode", worker_argv(args, "decode"))
+        for i in range(args.num_decode)
+    ]
     return ClusterSpec(
         workers,
         lambda prefill, decode: ChildSpec("router", "router", router_argv(args, prefill, decode)),
@@ -158,8 +184,12 @@ class _Child:
         self.bad_ready: str | None = None  # a ready line that did not parse
         self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         self.proc = subprocess.Popen(
-            spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=env, preexec_fn=_child_setup(os.getpid()),
+            spec.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            preexec_fn=_child_setup(os.getpid()),
         )
 
     @property
@@ -167,9 +197,11 @@ class _Child:
         return self.spec.name
 
     def describe(self, what: str) -> str:
-        """"NAME (pid N) WHAT; last stderr lines: ..." for an error message."""
+        """ "NAME (pid N) WHAT; last stderr lines: ..." for an error message."""
         tail = "".join(f"\n  {line}" for line in self.stderr_tail)
-        return f"{self.name} (pid {self.proc.pid}) {what}" + (f"; last stderr lines:{tail}" if tail else "")
+        return f"{self.name} (pid {self.proc.pid}) {what}" + (
+            f"; last stderr lines:{tail}" if tail else ""
+        )
 
 
 class StartError(Exception):
@@ -243,12 +275,19 @@ class Supervisor:
         self._stop_requested = False
 
     def run(self) -> int:
-        handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        handlers = {
+            sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             try:
                 self._wait_ready([self._start(spec) for spec in self.spec.workers])
-                addresses = {role: [c.info["grpc"] for c in self._children(role)] for role in ("prefill", "decode")}
-                self._wait_ready([self._start(self.spec.router(addresses["prefill"], addresses["decode"]))])
+                addresses = {
+                    role: [c.info["grpc"] for c in self._children(role)]
+                    for role in ("prefill", "decode")
+                }
+                self._wait_ready(
+                    [self._start(self.spec.router(addresses["prefill"], addresses["decode"]))]
+                )
             except _Stopped:
                 return 0
             except StartError as exc:
@@ -265,11 +304,19 @@ class Supervisor:
         """{"router": HOST:PORT, "http": URL or None, "services": [router, prefill..., decode...]}."""
         [router] = self._children("router")
         services = [
-            {"role": c.spec.role, "grpc": c.info["grpc"], "metrics": c.info["metrics"],
-             "pid": c.info["pid"] if isinstance(c.info.get("pid"), int) else c.proc.pid}
+            {
+                "role": c.spec.role,
+                "grpc": c.info["grpc"],
+                "metrics": c.info["metrics"],
+                "pid": c.info["pid"] if isinstance(c.info.get("pid"), int) else c.proc.pid,
+            }
             for c in [router, *self._children("prefill"), *self._children("decode")]
         ]
-        return {"router": router.info["grpc"], "http": router.info.get("http"), "services": services}
+        return {
+            "router": router.info["grpc"],
+            "http": router.info.get("http"),
+            "services": services,
+        }
 
     def _children(self, role: str) -> list[_Child]:
         return [c for c in self.children if c.spec.role == role]
@@ -291,14 +338,20 @@ class Supervisor:
                 raise _Stopped
             for child in pending:
                 if child.bad_ready is not None:
-                    raise StartError(child.describe(f"printed a bad ready line: {child.bad_ready!r}"))
+                    raise StartError(
+                        child.describe(f"printed a bad ready line: {child.bad_ready!r}")
+                    )
                 if child.proc.poll() is not None:
                     self._drain(child)
                     if child.info is None:
                         code = child.proc.returncode
-                        raise StartError(child.describe(f"exited with code {code} before it was ready"))
+                        raise StartError(
+                            child.describe(f"exited with code {code} before it was ready")
+                        )
             if time.monotonic() >= deadline:
-                raise StartError(pending[0].describe(f"not ready after {self.spec.start_timeout:g} s"))
+                raise StartError(
+                    pending[0].describe(f"not ready after {self.spec.start_timeout:g} s")
+                )
             self._pipes.pump(0.1)
 
     def _watch(self) -> int:
@@ -337,8 +390,10 @@ class Supervisor:
             self._pipes.pump(0.05)  # keep reading: a child logging on its way out must not block
         for child in alive:
             if child.proc.poll() is None:
-                _log(f"pdserve: {child.name} (pid {child.proc.pid}) still running "
-                     f"{self.spec.stop_timeout:g} s after SIGTERM; killing it")
+                _log(
+                    f"pdserve: {child.name} (pid {child.proc.pid}) still running "
+                    f"{self.spec.stop_timeout:g} s after SIGTERM; killing it"
+                )
                 child.proc.kill()
         for child in self.children:
             child.proc.wait()
@@ -349,10 +404,12 @@ class Supervisor:
 def _parse_ready(line: str) -> dict | None:
     """The JSON of a `ready {json}` line, or None unless it names grpc and metrics."""
     try:
-        info = json.loads(line[len(READY_PREFIX):])
+        info = json.loads(line[len(READY_PREFIX) :])
     except json.JSONDecodeError:
         return None
-    if not isinstance(info, dict) or not all(isinstance(info.get(k), str) for k in ("grpc", "metrics")):
+    if not isinstance(info, dict) or not all(
+        isinstance(info.get(k), str) for k in ("grpc", "metrics")
+    ):
         return None
     return info
 

@@ -11,7 +11,7 @@ import os
 
 
 def parse_cpu_list(text: str, flag: str = "--cpus") -> list[int]:
-    """"0,2-3" -> [0, 2, 3], checked against the CPUs this process may use.
+    """ "0,2-3" -> [0, 2, 3], checked against the CPUs this process may use.
 
     Raises ValueError naming `flag` for bad syntax, an empty list or an unavailable CPU.
     """
@@ -27,7 +27,9 @@ def parse_cpu_list(text: str, flag: str = "--cpus") -> list[int]:
         raise ValueError(f"{flag}: expected CPU ids like 0,1 or 0-3, got {text!r}") from None
     allowed = os.sched_getaffinity(0)
     if missing := sorted(cpus - allowed):
-        raise ValueError(f"{flag}: CPU {missing[0]} is not available (allowed: {_format_cpus(allowed)})")
+        raise ValueError(
+            f"{flag}: CPU {missing[0]} is not available (allowed: {_format_cpus(allowed)})"
+        )
     return sorted(cpus)
 
 

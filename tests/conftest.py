@@ -12,9 +12,16 @@ from tests import reference
 
 # Weights drawn with a large init range so greedy choices are decisive (ties stay rare).
 TINY_COMMON = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, max_position_embeddings=1024, initializer_range=0.2,
-    bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+    initializer_range=0.2,
+    bos_token_id=0,
+    eos_token_id=1,
+    tie_word_embeddings=False,
 )
 
 
@@ -22,9 +29,13 @@ def make_tiny_model(kind: str, folder: Path, **overrides) -> Path:
     """Save a random-weight llama/qwen2 model to `folder` (seeded, so identical every run)."""
     torch.manual_seed(1234)
     if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**{**TINY_COMMON, "num_key_value_heads": 2, **overrides}))
+        model = LlamaForCausalLM(
+            LlamaConfig(**{**TINY_COMMON, "num_key_value_heads": 2, **overrides})
+        )
     elif kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**{**TINY_COMMON, "num_key_value_heads": 1, **overrides}))
+        model = Qwen2ForCausalLM(
+            Qwen2Config(**{**TINY_COMMON, "num_key_value_heads": 1, **overrides})
+        )
     else:
         raise ValueError(kind)
     model.save_pretrained(folder)
@@ -52,7 +63,11 @@ def default_model() -> str:
 @pytest.fixture(scope="session")
 def real_text_ids(default_model) -> list[int]:
     """~20k token ids of real text (stdlib source), for prompts of any length up to that."""
-    import argparse, inspect as insp, json as js, logging, typing  # noqa: E401 - text sources
+    import argparse  # noqa: E401 - text sources
+    import inspect as insp
+    import json as js
+    import logging
+    import typing
 
     from transformers import AutoTokenizer
 
@@ -66,7 +81,9 @@ def real_text_ids(default_model) -> list[int]:
 def pytest_sessionfinish(session, exitstatus):
     early, total = reference.inconclusive_ratio()
     if total and early / total > 0.10:
-        print(f"\nEQUIVALENCE INCONCLUSIVE: {early}/{total} cases ended at a tie before half their tokens")
+        print(
+            f"\nEQUIVALENCE INCONCLUSIVE: {early}/{total} cases ended at a tie before half their tokens"
+        )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     elif total:
         print(f"\nequivalence: {total} cases compared, {early} ended at an early tie")

@@ -53,8 +53,10 @@ def hf_greedy(path: str, prompt_ids: list[int], max_tokens: int) -> Reference:
             gaps.append(float(top2[0] - top2[1]))
             tokens.append(int(logits.argmax()))
             out = model(
-                input_ids=torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
-                use_cache=True, logits_to_keep=1,
+                input_ids=torch.tensor([[tokens[-1]]]),
+                past_key_values=out.past_key_values,
+                use_cache=True,
+                logits_to_keep=1,
             )
     return Reference(tokens, gaps)
 
@@ -71,7 +73,9 @@ def assert_equivalent(actual: list[int], ref: Reference, context: str = "") -> V
                 f"{context}: diverged at step {step}: got {got}, reference {want} "
                 f"(reference top-2 gap {ref.top2_gaps[step]:.2e})\n got: {actual}\n ref: {ref.token_ids}"
             )
-    assert len(actual) == len(ref.token_ids), f"{context}: {len(actual)} tokens, reference {len(ref.token_ids)}"
+    assert len(actual) == len(ref.token_ids), (
+        f"{context}: {len(actual)} tokens, reference {len(ref.token_ids)}"
+    )
     verdict = Verdict(len(ref.token_ids), None)
     VERDICTS.append(verdict)
     return verdict

@@ -22,13 +22,21 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
         if msg.HasField(name)
     }
-    return SamplingParams(**kwargs, ignore_eos=msg.ignore_eos, stop_token_ids=tuple(msg.stop_token_ids))
+    return SamplingParams(
+        **kwargs, ignore_eos=msg.ignore_eos, stop_token_ids=tuple(msg.stop_token_ids)
+    )
 
 
-def sampling_to_proto(params: SamplingParams, stop: list[str] | None = None) -> common_pb2.SamplingParams:
+def sampling_to_proto(
+    params: SamplingParams, stop: list[str] | None = None
+) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
-        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-        top_k=params.top_k, ignore_eos=params.ignore_eos, stop_token_ids=list(params.stop_token_ids),
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=list(params.stop_token_ids),
         stop=stop or [],
     )
     if params.seed is not None:
@@ -40,28 +48,40 @@ def sampling_to_proto(params: SamplingParams, stop: list[str] | None = None) -> 
 
 def logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
-        token_id=logprobs.token_id, logprob=logprobs.logprob, rank=logprobs.rank,
+        token_id=logprobs.token_id,
+        logprob=logprobs.logprob,
+        rank=logprobs.rank,
         top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
     )
 
 
 def handle_to_proto(handle: KVHandle, source: str) -> common_pb2.KVHandle:
     return common_pb2.KVHandle(
-        request_id=handle.request_id, engine_id=handle.engine_id, block_ids=list(handle.block_ids),
-        num_tokens=handle.num_tokens, first_token_id=handle.first_token_id, source=source,
+        request_id=handle.request_id,
+        engine_id=handle.engine_id,
+        block_ids=list(handle.block_ids),
+        num_tokens=handle.num_tokens,
+        first_token_id=handle.first_token_id,
+        source=source,
     )
 
 
 def handle_from_proto(msg: common_pb2.KVHandle) -> tuple[KVHandle, str]:
     """(engine handle, HOST:PORT of the source's KVTransfer service)."""
-    handle = KVHandle(msg.request_id, msg.engine_id, tuple(msg.block_ids), msg.num_tokens, msg.first_token_id)
+    handle = KVHandle(
+        msg.request_id, msg.engine_id, tuple(msg.block_ids), msg.num_tokens, msg.first_token_id
+    )
     return handle, msg.source
 
 
 def layout_to_proto(spec: KVCacheSpec) -> common_pb2.KVLayout:
     return common_pb2.KVLayout(
-        num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-        block_size=spec.block_size, dtype=_DTYPE_NAMES[spec.dtype], layout=KV_TENSOR_LAYOUT,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        block_size=spec.block_size,
+        dtype=_DTYPE_NAMES[spec.dtype],
+        layout=KV_TENSOR_LAYOUT,
     )
 
 
@@ -71,14 +91,20 @@ def layout_from_proto(msg: common_pb2.KVLayout) -> KVCacheSpec:
         raise ValueError(f"kv_layout.dtype: unknown {msg.dtype!r}")
     if msg.layout != KV_TENSOR_LAYOUT:
         raise ValueError(f"kv_layout.layout: expected {KV_TENSOR_LAYOUT!r}, got {msg.layout!r}")
-    return KVCacheSpec(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, _DTYPES[msg.dtype])
+    return KVCacheSpec(
+        msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, _DTYPES[msg.dtype]
+    )
 
 
 def peer_info_to_proto(info: KVPeerInfo) -> tuple[str, common_pb2.KVLayout]:
     """(model_id, layout) of a handshake message."""
     layout = common_pb2.KVLayout(
-        num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-        block_size=info.block_size, dtype=_DTYPE_NAMES[info.dtype], layout=info.layout,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        block_size=info.block_size,
+        dtype=_DTYPE_NAMES[info.dtype],
+        layout=info.layout,
     )
     return info.model_id, layout
 
@@ -88,8 +114,15 @@ def peer_info_from_proto(model_id: str, msg: common_pb2.KVLayout) -> KVPeerInfo:
     report, not a parse error); raises ValueError only for an unknown dtype name."""
     if msg.dtype not in _DTYPES:
         raise ValueError(f"kv_layout.dtype: unknown {msg.dtype!r}")
-    return KVPeerInfo(model_id, _DTYPES[msg.dtype], msg.num_layers, msg.num_kv_heads, msg.head_dim,
-                      msg.block_size, msg.layout)
+    return KVPeerInfo(
+        model_id,
+        _DTYPES[msg.dtype],
+        msg.num_layers,
+        msg.num_kv_heads,
+        msg.head_dim,
+        msg.block_size,
+        msg.layout,
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:

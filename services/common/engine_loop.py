@@ -30,6 +30,8 @@ T = TypeVar("T")
 
 class ShuttingDownError(ServiceUnavailableError):
     """The engine thread has stopped (-> UNAVAILABLE)."""
+
+
 POLL_SECONDS = 0.05  # how long an idle loop waits for a call before running its hooks again
 CALL_TIMEOUT_S = 60.0
 
@@ -43,10 +45,16 @@ class EngineLoop:
         self._calls: queue.Queue[tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._streams: dict[str, queue.Queue[RequestOutput | KVReserved | BaseException]] = {}
         self._hooks: list[Callable[[], None]] = []
-        self._claims: set[str] = set()  # KVReserved delivered, their receiver's kv_written not yet run
+        self._claims: set[str] = (
+            set()
+        )  # KVReserved delivered, their receiver's kv_written not yet run
         self._stopped = False
         self.max_step_tokens_per_request = 0
-        self._last_counts = {"preemptions": 0, "queries": 0, "hits": 0}  # engine totals already exported
+        self._last_counts = {
+            "preemptions": 0,
+            "queries": 0,
+            "hits": 0,
+        }  # engine totals already exported
         self._thread = threading.Thread(target=self._run, name=f"{role}-engine", daemon=True)
 
     def start(self) -> None:
@@ -92,11 +100,17 @@ class EngineLoop:
         if self._stopped:
             raise ShuttingDownError("the worker is shutting down")
         future: Future = Future()
-        future.add_done_callback(lambda f: f.exception() and logger.error("posted call failed: %r", f.exception()))
+        future.add_done_callback(
+            lambda f: f.exception() and logger.error("posted call failed: %r", f.exception())
+        )
         self._calls.put((fn, future))
 
     def submit(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_handle: KVHandle | None = None,
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        kv_handle: KVHandle | None = None,
         cache_salt: str | None = None,
     ) -> queue.Queue[RequestOutput | KVReserved | BaseException]:
         """Add a request; its outputs (or an exception) arrive on the returned queue. A DECODE
@@ -110,7 +124,11 @@ class EngineLoop:
 
         def add() -> None:
             self.engine.add_request(
-                prompt_ids, params, request_id=request_id, kv_handle=kv_handle, cache_salt=cache_salt
+                prompt_ids,
+                params,
+                request_id=request_id,
+                kv_handle=kv_handle,
+                cache_salt=cache_salt,
             )
             self._streams[request_id] = stream
 
@@ -144,7 +162,9 @@ class EngineLoop:
             self._run_hooks()
 
     def _deliver_reserved(self) -> None:
-        for reserved in self.engine.take_reserved(claim_writes=True):  # the RPC thread writes the KV
+        for reserved in self.engine.take_reserved(
+            claim_writes=True
+        ):  # the RPC thread writes the KV
             stream = self._streams.get(reserved.request_id)
             if stream is not None:
                 self._claims.add(reserved.request_id)
@@ -218,15 +238,23 @@ class EngineLoop:
         block_bytes = engine.kv_cache.spec.bytes_per_block
         metrics.KV_BLOCKS_PINNED.labels(role).set(pinned)
         metrics.KV_CACHE_BYTES.labels(role, "free").set(pool.num_free_blocks * block_bytes)
-        metrics.KV_CACHE_BYTES.labels(role, "used").set((pool.num_used_blocks - pinned) * block_bytes)
+        metrics.KV_CACHE_BYTES.labels(role, "used").set(
+            (pool.num_used_blocks - pinned) * block_bytes
+        )
         metrics.KV_CACHE_BYTES.labels(role, "pinned").set(pinned * block_bytes)
         metrics.KV_CACHE_USAGE.labels(role).set(pool.num_used_blocks / pool.num_blocks)
         metrics.NUM_REQUESTS_RUNNING.labels(role).set(engine.scheduler.num_running)
         metrics.NUM_REQUESTS_WAITING.labels(role).set(engine.scheduler.num_waiting)
         scheduler = engine.scheduler
-        totals = {"preemptions": scheduler.num_preemptions, "queries": scheduler.prefix_cache_queries,
-                  "hits": scheduler.prefix_cache_hits}
-        for name, counter in (("preemptions", metrics.NUM_PREEMPTIONS), ("queries", metrics.PREFIX_CACHE_QUERIES),
-                              ("hits", metrics.PREFIX_CACHE_HITS)):
+        totals = {
+            "preemptions": scheduler.num_preemptions,
+            "queries": scheduler.prefix_cache_queries,
+            "hits": scheduler.prefix_cache_hits,
+        }
+        for name, counter in (
+            ("preemptions", metrics.NUM_PREEMPTIONS),
+            ("queries", metrics.PREFIX_CACHE_QUERIES),
+            ("hits", metrics.PREFIX_CACHE_HITS),
+        ):
             counter.labels(role).inc(totals[name] - self._last_counts[name])
         self._last_counts = totals

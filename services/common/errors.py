@@ -86,11 +86,15 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return None
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+                _wrap_unary(handler.unary_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+                _wrap_stream(handler.unary_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
             )
         return handler
 

@@ -24,7 +24,9 @@ class KVEventPublisher:
     """Sends one worker's events to `index` under `worker` (its gRPC address), heartbeating at
     least every `heartbeat_s` seconds and retrying every `heartbeat_s` while the index is down."""
 
-    def __init__(self, loop: EngineLoop, index: PrefixIndex, worker: str, heartbeat_s: float) -> None:
+    def __init__(
+        self, loop: EngineLoop, index: PrefixIndex, worker: str, heartbeat_s: float
+    ) -> None:
         self.loop = loop
         self.index = index
         self.worker = worker
@@ -65,7 +67,9 @@ class KVEventPublisher:
                     self.index.replace(self.worker, self.loop.call(self._snapshot))
                     in_sync = True
                     if outage:
-                        logger.warning("prefix index reachable again: %s sent a snapshot", self.worker)
+                        logger.warning(
+                            "prefix index reachable again: %s sent a snapshot", self.worker
+                        )
                     outage = False
                 try:
                     batch = self._events.get(timeout=self.heartbeat_s)
@@ -77,7 +81,10 @@ class KVEventPublisher:
                 self.index.apply(self.worker, batch)
             except PrefixIndexUnavailable as exc:
                 if not outage:
-                    logger.warning("prefix index unavailable (%s); routing falls back to load until it returns", exc)
+                    logger.warning(
+                        "prefix index unavailable (%s); routing falls back to load until it returns",
+                        exc,
+                    )
                 in_sync, outage = False, True
                 self._stopped.wait(self.heartbeat_s)
             except Exception:  # noqa: BLE001 - the engine stopped, or a bug: log, keep the worker up

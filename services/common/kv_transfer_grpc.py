@@ -56,8 +56,13 @@ class GrpcKVTransfer(InMemoryKVTransfer):
     computes from the transferred KV.
     """
 
-    def __init__(self, role: str, timeout_s: float = 30.0, lease_s: float = DEFAULT_LEASE_S,
-                 zero_block: int | None = None) -> None:
+    def __init__(
+        self,
+        role: str,
+        timeout_s: float = 30.0,
+        lease_s: float = DEFAULT_LEASE_S,
+        zero_block: int | None = None,
+    ) -> None:
         super().__init__(lease_s)
         self.role = role
         self.timeout_s = timeout_s
@@ -81,7 +86,9 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         with self._lock:
             self._addresses[request_id] = address
             if self._renewer is None:
-                self._renewer = threading.Thread(target=self._renew_loop, name=f"{self.role}-kv-lease", daemon=True)
+                self._renewer = threading.Thread(
+                    target=self._renew_loop, name=f"{self.role}-kv-lease", daemon=True
+                )
                 self._renewer.start()
 
     def forget(self, request_id: str) -> None:
@@ -107,12 +114,18 @@ class GrpcKVTransfer(InMemoryKVTransfer):
     def _stub(self, address: str) -> worker_pb2_grpc.KVTransferStub:
         return worker_pb2_grpc.KVTransferStub(self._channel(address))
 
-    def _failure(self, request_id: str, address: str, exc: grpc.RpcError, what: str) -> KVTransferError:
+    def _failure(
+        self, request_id: str, address: str, exc: grpc.RpcError, what: str
+    ) -> KVTransferError:
         reason = exc.code().name.lower()
-        if exc.code() != grpc.StatusCode.CANCELLED:  # cancelled by this side: not the transfer's fault
+        if (
+            exc.code() != grpc.StatusCode.CANCELLED
+        ):  # cancelled by this side: not the transfer's fault
             metrics.KV_TRANSFER_FAILURES.labels(self.role, reason).inc()
-        return KVTransferError(f"{what} of {request_id!r} from {address}: {exc.code().name} {exc.details() or ''}",
-                               reason=reason)
+        return KVTransferError(
+            f"{what} of {request_id!r} from {address}: {exc.code().name} {exc.details() or ''}",
+            reason=reason,
+        )
 
     # -- handshake -----------------------------------------------------------------------------
 
@@ -123,7 +136,9 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         if (address, handle.engine_id) in self._peers:
             return
         model_id, layout = peer_info_to_proto(local)
-        request = worker_pb2.KVHandshakeRequest(model_id=model_id, layout=layout, engine_id=self.engine_id)
+        request = worker_pb2.KVHandshakeRequest(
+            model_id=model_id, layout=layout, engine_id=self.engine_id
+        )
         try:
             reply = self._stub(address).Handshake(request, timeout=HANDSHAKE_TIMEOUT_S)
         except grpc.RpcError as exc:
@@ -139,7 +154,9 @@ class GrpcKVTransfer(InMemoryKVTransfer):
             logger.error("%s", exc)
             raise KVHandshakeError(str(exc)) from None
         if reply.engine_id != handle.engine_id:  # another process now listens at that address
-            raise KVTransferError(f"{address} is engine {reply.engine_id}, not {handle.engine_id}", "not_found")
+            raise KVTransferError(
+                f"{address} is engine {reply.engine_id}, not {handle.engine_id}", "not_found"
+            )
         with self._lock:
             self._peers[(address, handle.engine_id)] = reply.lease_seconds or DEFAULT_LEASE_S
 
@@ -159,7 +176,9 @@ class GrpcKVTransfer(InMemoryKVTransfer):
 
     def _renew_loop(self) -> None:
         last = time.monotonic()
-        while not self._stop.wait(RENEW_TICK_S):  # a tick, so a shorter lease learned later counts at once
+        while not self._stop.wait(
+            RENEW_TICK_S
+        ):  # a tick, so a shorter lease learned later counts at once
             if time.monotonic() - last >= self._renew_interval():
                 last = time.monotonic()
                 self.renew_leases()
@@ -173,10 +192,16 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         for address, request_ids in by_address.items():
             try:
                 self._stub(address).RenewKVLease(
-                    worker_pb2.RenewKVLeaseRequest(request_ids=request_ids), timeout=HANDSHAKE_TIMEOUT_S
+                    worker_pb2.RenewKVLeaseRequest(request_ids=request_ids),
+                    timeout=HANDSHAKE_TIMEOUT_S,
                 )
             except grpc.RpcError as exc:  # the pull itself reports a dead source
-                logger.debug("renewing %d leases at %s failed: %s", len(request_ids), address, exc.code().name)
+                logger.debug(
+                    "renewing %d leases at %s failed: %s",
+                    len(request_ids),
+                    address,
+                    exc.code().name,
+                )
 
     # -- pulls ---------------------------------------------------------------------------------
 
@@ -185,8 +210,12 @@ class GrpcKVTransfer(InMemoryKVTransfer):
             return super().pull(handle, first_block)
         return [piece for _, piece in self.pull_chunks(handle, first_block)]
 
-    def pull_chunks(self, handle: KVHandle, first_block: int = 0,
-                    on_call: Callable[[grpc.Call], object] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    def pull_chunks(
+        self,
+        handle: KVHandle,
+        first_block: int = 0,
+        on_call: Callable[[grpc.Call], object] | None = None,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
         """(block offset from `first_block`, KV of the next blocks) as each chunk arrives: a
         read-only view of the received message, [num_layers, 2, n, block_size, num_kv_heads,
         head_dim]; together they cover the handle's blocks from `first_block` on, in order.
@@ -199,7 +228,10 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         start, nbytes = time.perf_counter(), 0
         try:
             for offset, piece in self._stream(handle, address, first_block, on_call):
-                if self.zero_block is not None and offset <= self.zero_block < offset + piece.shape[2]:
+                if (
+                    self.zero_block is not None
+                    and offset <= self.zero_block < offset + piece.shape[2]
+                ):
                     piece = piece.clone()  # received pieces are read-only
                     piece[:, :, self.zero_block - offset] = 0
                 nbytes += piece.numel() * piece.element_size()
@@ -211,13 +243,21 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         self.pull_seconds[handle.request_id] = time.perf_counter() - start
         metrics.KV_TRANSFER_TIME.labels(self.role).observe(self.pull_seconds[handle.request_id])
 
-    def _stream(self, handle: KVHandle, address: str, first_block: int,
-                on_call: Callable[[grpc.Call], object] | None) -> Iterator[tuple[int, torch.Tensor]]:
+    def _stream(
+        self,
+        handle: KVHandle,
+        address: str,
+        first_block: int,
+        on_call: Callable[[grpc.Call], object] | None,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
         """Decoded chunks, checked to cover the requested blocks in order. Raises grpc.RpcError,
         KVTransferError."""
-        request = worker_pb2.PullKVRequest(handle=handle_to_proto(handle, address), first_block=first_block)
+        request = worker_pb2.PullKVRequest(
+            handle=handle_to_proto(handle, address), first_block=first_block
+        )
         pull = self._channel(address).unary_stream(
-            PULL_KV_METHOD, request_serializer=worker_pb2.PullKVRequest.SerializeToString,
+            PULL_KV_METHOD,
+            request_serializer=worker_pb2.PullKVRequest.SerializeToString,
             response_deserializer=decode_chunk,
         )
         spec: KVCacheSpec | None = None
@@ -228,17 +268,32 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         for header, data in call:
             if spec is None:
                 if header.layout is None:
-                    raise KVTransferError(f"KV stream for {handle.request_id!r} has no layout", "failed")
+                    raise KVTransferError(
+                        f"KV stream for {handle.request_id!r} has no layout", "failed"
+                    )
                 spec = layout_from_proto(header.layout)
             if header.block_offset != next_block:
-                raise KVTransferError(f"KV stream for {handle.request_id!r}: block {header.block_offset} "
-                                      f"where {next_block} was due", "failed")
-            shape = (spec.num_layers, 2, header.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+                raise KVTransferError(
+                    f"KV stream for {handle.request_id!r}: block {header.block_offset} "
+                    f"where {next_block} was due",
+                    "failed",
+                )
+            shape = (
+                spec.num_layers,
+                2,
+                header.num_blocks,
+                spec.block_size,
+                spec.num_kv_heads,
+                spec.head_dim,
+            )
             yield next_block - first_block, chunk_tensor(data, spec.dtype, shape)
             next_block += header.num_blocks
         if next_block != len(handle.block_ids):
-            raise KVTransferError(f"KV stream for {handle.request_id!r} ended at block {next_block} of "
-                                  f"{len(handle.block_ids)}", "not_found")
+            raise KVTransferError(
+                f"KV stream for {handle.request_id!r} ended at block {next_block} of "
+                f"{len(handle.block_ids)}",
+                "not_found",
+            )
 
     def complete(self, handle: KVHandle) -> None:
         """Tell the source to unpin, without waiting (this runs on the engine thread); a lost
@@ -257,5 +312,9 @@ class GrpcKVTransfer(InMemoryKVTransfer):
 
 def _log_release(done: grpc.Future, request_id: str, address: str) -> None:
     if not done.cancelled() and done.exception() is not None:
-        logger.warning("ReleaseKV %s at %s failed: %s (the lease frees the blocks)", request_id, address,
-                       done.exception().code().name)
+        logger.warning(
+            "ReleaseKV %s at %s failed: %s (the lease frees the blocks)",
+            request_id,
+            address,
+            done.exception().code().name,
+        )

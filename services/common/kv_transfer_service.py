@@ -36,14 +36,24 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
     injection, `--debug-kv-stall-seconds`) holds every PullKV that long before its first chunk.
     """
 
-    def __init__(self, transfer: GrpcKVTransfer, on_engine: Callable[[Callable[[], T]], T], peer_info: KVPeerInfo,
-                 chunk_bytes: int = CHUNK_BYTES, stall_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        transfer: GrpcKVTransfer,
+        on_engine: Callable[[Callable[[], T]], T],
+        peer_info: KVPeerInfo,
+        chunk_bytes: int = CHUNK_BYTES,
+        stall_s: float = 0.0,
+    ) -> None:
         self.transfer = transfer
         self.on_engine = on_engine
         self.peer_info = peer_info
         self.layout = peer_info_to_proto(peer_info)[1]
         self.block_bytes = KVCacheSpec(
-            peer_info.num_layers, peer_info.num_kv_heads, peer_info.head_dim, peer_info.block_size, peer_info.dtype
+            peer_info.num_layers,
+            peer_info.num_kv_heads,
+            peer_info.head_dim,
+            peer_info.block_size,
+            peer_info.dtype,
         ).bytes_per_block
         self.chunk_bytes = chunk_bytes
         self.stall_s = stall_s
@@ -53,12 +63,19 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         diff = mismatches(self.peer_info, remote)  # this worker is the source
         if diff:
             metrics.KV_TRANSFER_FAILURES.labels(self.transfer.role, "handshake").inc()
-            message = f"KV handshake from {request.engine_id or context.peer()} refused: " + "; ".join(diff)
+            message = (
+                f"KV handshake from {request.engine_id or context.peer()} refused: "
+                + "; ".join(diff)
+            )
             logger.error("%s", message)
             raise KVHandshakeError(message)
         model_id, layout = peer_info_to_proto(self.peer_info)
-        return worker_pb2.KVHandshakeResponse(engine_id=self.transfer.engine_id, model_id=model_id, layout=layout,
-                                              lease_seconds=self.transfer.leases.lease_s)
+        return worker_pb2.KVHandshakeResponse(
+            engine_id=self.transfer.engine_id,
+            model_id=model_id,
+            layout=layout,
+            lease_seconds=self.transfer.leases.lease_s,
+        )
 
     def PullKV(self, request, context):
         """Yields serialized KVChunks (`kv_wire.encode_chunk`, straight from the cache): register
@@ -73,7 +90,9 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         source = self.transfer.source(handle)
         num_blocks = len(handle.block_ids)
         if not 0 <= first_block < num_blocks:
-            raise InvalidRequestError("first_block", f"{first_block} outside the handle's {num_blocks} blocks")
+            raise InvalidRequestError(
+                "first_block", f"{first_block} outside the handle's {num_blocks} blocks"
+            )
         if not leases.renew(rid):
             leases.begin_pull(rid)  # raises NOT_FOUND, saying how the transfer ended
         self._stall(context)
@@ -84,13 +103,19 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
             end = min(start + per_chunk, num_blocks)
             leases.begin_pull(rid)
             try:
-                chunk = encode_chunk(start, end - start, self.layout if start == first_block else None,
-                                     source.kv_buffers(handle, start, end))
+                chunk = encode_chunk(
+                    start,
+                    end - start,
+                    self.layout if start == first_block else None,
+                    source.kv_buffers(handle, start, end),
+                )
             finally:
                 if leases.end_pull(rid):  # released while we read: free it now
                     self.on_engine(lambda: self.transfer.release_pin(rid))
             yield chunk
-        metrics.KV_TRANSFER_BYTES.labels(self.transfer.role).inc((num_blocks - first_block) * self.block_bytes)
+        metrics.KV_TRANSFER_BYTES.labels(self.transfer.role).inc(
+            (num_blocks - first_block) * self.block_bytes
+        )
 
     def _stall(self, context) -> None:
         deadline = time.monotonic() + self.stall_s
@@ -98,7 +123,9 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
             time.sleep(0.05)
 
     def RenewKVLease(self, request, context):
-        return worker_pb2.RenewKVLeaseResponse(renewed=[self.transfer.renew(rid) for rid in request.request_ids])
+        return worker_pb2.RenewKVLeaseResponse(
+            renewed=[self.transfer.renew(rid) for rid in request.request_ids]
+        )
 
     def ReleaseKV(self, request, context):
         released = self.on_engine(lambda: self.transfer.release(request.request_id))
@@ -110,14 +137,24 @@ def add_kv_transfer_servicer(servicer: KVTransferServicer, server: grpc.Server) 
     PullKV's messages go out as the bytes `kv_wire.encode_chunk` made (no protobuf copy)."""
     methods = {
         "Handshake": grpc.unary_unary_rpc_method_handler(
-            servicer.Handshake, worker_pb2.KVHandshakeRequest.FromString,
-            worker_pb2.KVHandshakeResponse.SerializeToString),
+            servicer.Handshake,
+            worker_pb2.KVHandshakeRequest.FromString,
+            worker_pb2.KVHandshakeResponse.SerializeToString,
+        ),
         "PullKV": grpc.unary_stream_rpc_method_handler(
-            servicer.PullKV, worker_pb2.PullKVRequest.FromString, lambda raw: raw),
+            servicer.PullKV, worker_pb2.PullKVRequest.FromString, lambda raw: raw
+        ),
         "RenewKVLease": grpc.unary_unary_rpc_method_handler(
-            servicer.RenewKVLease, worker_pb2.RenewKVLeaseRequest.FromString,
-            worker_pb2.RenewKVLeaseResponse.SerializeToString),
+            servicer.RenewKVLease,
+            worker_pb2.RenewKVLeaseRequest.FromString,
+            worker_pb2.RenewKVLeaseResponse.SerializeToString,
+        ),
         "ReleaseKV": grpc.unary_unary_rpc_method_handler(
-            servicer.ReleaseKV, worker_pb2.ReleaseKVRequest.FromString, worker_pb2.ReleaseKVResponse.SerializeToString),
+            servicer.ReleaseKV,
+            worker_pb2.ReleaseKVRequest.FromString,
+            worker_pb2.ReleaseKVResponse.SerializeToString,
+        ),
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.KVTransfer", methods),))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("pdserve.v1.KVTransfer", methods),)
+    )

@@ -53,10 +53,16 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def encode_chunk(block_offset: int, num_blocks: int, layout: common_pb2.KVLayout | None,
-                 data: Sequence[memoryview]) -> bytes:
+def encode_chunk(
+    block_offset: int,
+    num_blocks: int,
+    layout: common_pb2.KVLayout | None,
+    data: Sequence[memoryview],
+) -> bytes:
     """A serialized KVChunk whose data field is the concatenation of `data` (copied once)."""
-    header = worker_pb2.KVChunk(layout=layout, block_offset=block_offset, num_blocks=num_blocks).SerializeToString()
+    header = worker_pb2.KVChunk(
+        layout=layout, block_offset=block_offset, num_blocks=num_blocks
+    ).SerializeToString()
     size = sum(part.nbytes for part in data)
     return b"".join([header, _DATA_TAG, _varint(size), *data])
 
@@ -95,8 +101,13 @@ def chunk_tensor(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -
     storage = _STORAGE_DTYPES.get(dtype, dtype)
     expected = torch.Size(shape).numel() * torch.empty((), dtype=storage).element_size()
     if data.nbytes != expected:
-        raise KVTransferError(f"kv chunk: {data.nbytes} bytes do not fill {shape} {dtype} ({expected} bytes)", "failed")
+        raise KVTransferError(
+            f"kv chunk: {data.nbytes} bytes do not fill {shape} {dtype} ({expected} bytes)",
+            "failed",
+        )
     with warnings.catch_warnings():  # read-only on purpose: the engine only copies from it
         warnings.simplefilter("ignore", UserWarning)
-        tensor = torch.frombuffer(data, dtype=storage) if expected else torch.empty(0, dtype=storage)
+        tensor = (
+            torch.frombuffer(data, dtype=storage) if expected else torch.empty(0, dtype=storage)
+        )
     return tensor.view(dtype).view(shape) if storage is not dtype else tensor.view(shape)

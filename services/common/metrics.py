@@ -8,69 +8,142 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 # Latency buckets in seconds: from sub-millisecond decode steps to minute-long prompts.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 TIME_TO_FIRST_TOKEN = Histogram(
-    "pdserve_time_to_first_token_seconds", "Request received -> first token sent.", ["role"], buckets=LATENCY_BUCKETS
+    "pdserve_time_to_first_token_seconds",
+    "Request received -> first token sent.",
+    ["role"],
+    buckets=LATENCY_BUCKETS,
 )
 TIME_PER_OUTPUT_TOKEN = Histogram(
-    "pdserve_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1), per request.", ["role"],
+    "pdserve_time_per_output_token_seconds",
+    "(E2E - TTFT) / (output tokens - 1), per request.",
+    ["role"],
     buckets=LATENCY_BUCKETS,
 )
 INTER_TOKEN_LATENCY = Histogram(
-    "pdserve_inter_token_latency_seconds", "Gap between consecutive streamed tokens.", ["role"], buckets=LATENCY_BUCKETS
+    "pdserve_inter_token_latency_seconds",
+    "Gap between consecutive streamed tokens.",
+    ["role"],
+    buckets=LATENCY_BUCKETS,
 )
 E2E_REQUEST_LATENCY = Histogram(
-    "pdserve_e2e_request_latency_seconds", "Request received -> last token sent.", ["role"], buckets=LATENCY_BUCKETS
+    "pdserve_e2e_request_latency_seconds",
+    "Request received -> last token sent.",
+    ["role"],
+    buckets=LATENCY_BUCKETS,
 )
 PREFILL_TIME = Histogram(
-    "pdserve_prefill_time_seconds", "Prefill RPC duration seen by the router.", ["role"], buckets=LATENCY_BUCKETS
+    "pdserve_prefill_time_seconds",
+    "Prefill RPC duration seen by the router.",
+    ["role"],
+    buckets=LATENCY_BUCKETS,
 )
 KV_TRANSFER_TIME = Histogram(
-    "pdserve_kv_transfer_seconds", "Pulling one request's prompt KV.", ["role"], buckets=LATENCY_BUCKETS
+    "pdserve_kv_transfer_seconds",
+    "Pulling one request's prompt KV.",
+    ["role"],
+    buckets=LATENCY_BUCKETS,
 )
-KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes", "KV bytes moved between workers.", ["role"])
+KV_TRANSFER_BYTES = Counter(
+    "pdserve_kv_transfer_bytes", "KV bytes moved between workers.", ["role"]
+)
 KV_TRANSFER_FAILURES = Counter(
     "pdserve_kv_transfer_failures",
     "Transfers that failed, by reason: unavailable, deadline_exceeded, not_found, handshake (refused "
     "layouts), lease_expired (prefill: nobody pulled in time), kv_timeout (decode: KV never arrived).",
     ["role", "reason"],
 )
-KV_FAILURE_REASONS = ("unavailable", "deadline_exceeded", "not_found", "handshake", "lease_expired", "kv_timeout")
+KV_FAILURE_REASONS = (
+    "unavailable",
+    "deadline_exceeded",
+    "not_found",
+    "handshake",
+    "lease_expired",
+    "kv_timeout",
+)
 KV_BLOCKS_FREE = Gauge("pdserve_kv_blocks_free", "Free KV blocks.", ["role"])
 KV_BLOCKS_PINNED = Gauge("pdserve_kv_blocks_pinned", "KV blocks pinned for a transfer.", ["role"])
 KV_CACHE_USAGE = Gauge("pdserve_kv_cache_usage_ratio", "Used / total KV blocks.", ["role"])
-NUM_REQUESTS_RUNNING = Gauge("pdserve_num_requests_running", "Requests in the running batch.", ["role"])
-NUM_REQUESTS_WAITING = Gauge("pdserve_num_requests_waiting", "Requests waiting for blocks or a slot.", ["role"])
+NUM_REQUESTS_RUNNING = Gauge(
+    "pdserve_num_requests_running", "Requests in the running batch.", ["role"]
+)
+NUM_REQUESTS_WAITING = Gauge(
+    "pdserve_num_requests_waiting", "Requests waiting for blocks or a slot.", ["role"]
+)
 PREFIX_CACHE_QUERIES = Counter(
-    "pdserve_prefix_cache_queries", "Tokens looked up in the prefix cache when a request was admitted.", ["role"]
+    "pdserve_prefix_cache_queries",
+    "Tokens looked up in the prefix cache when a request was admitted.",
+    ["role"],
 )
 PREFIX_CACHE_HITS = Counter(
-    "pdserve_prefix_cache_hits", "Looked-up tokens whose KV the prefix cache already held.", ["role"]
+    "pdserve_prefix_cache_hits",
+    "Looked-up tokens whose KV the prefix cache already held.",
+    ["role"],
 )
-NUM_PREEMPTIONS = Counter("pdserve_num_preemptions", "Requests preempted (recomputed later).", ["role"])
+NUM_PREEMPTIONS = Counter(
+    "pdserve_num_preemptions", "Requests preempted (recomputed later).", ["role"]
+)
 PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens received.", ["role"])
 GENERATION_TOKENS = Counter("pdserve_generation_tokens", "Tokens generated.", ["role"])
-REQUEST_SUCCESS = Counter("pdserve_request_success", "Finished requests.", ["role", "finish_reason"])
-REQUEST_ERRORS = Counter("pdserve_request_errors", "Failed requests by gRPC code.", ["role", "code"])
+REQUEST_SUCCESS = Counter(
+    "pdserve_request_success", "Finished requests.", ["role", "finish_reason"]
+)
+REQUEST_ERRORS = Counter(
+    "pdserve_request_errors", "Failed requests by gRPC code.", ["role", "code"]
+)
 REQUEST_PROMPT_TOKENS = Histogram(
-    "pdserve_request_prompt_tokens", "Prompt tokens per finished request.", ["role"], buckets=TOKEN_BUCKETS
+    "pdserve_request_prompt_tokens",
+    "Prompt tokens per finished request.",
+    ["role"],
+    buckets=TOKEN_BUCKETS,
 )
 REQUEST_GENERATION_TOKENS = Histogram(
-    "pdserve_request_generation_tokens", "Generated tokens per finished request.", ["role"], buckets=TOKEN_BUCKETS
+    "pdserve_request_generation_tokens",
+    "Generated tokens per finished request.",
+    ["role"],
+    buckets=TOKEN_BUCKETS,
 )
 WORKER_HEALTHY = Gauge(
-    "pdserve_worker_healthy", "1 while a worker passes the router's health checks, else 0.", ["role", "worker"]
+    "pdserve_worker_healthy",
+    "1 while a worker passes the router's health checks, else 0.",
+    ["role", "worker"],
 )
-KV_CACHE_BYTES = Gauge("pdserve_kv_cache_bytes", "KV cache bytes by state (free, used, pinned).", ["role", "state"])
-TOKENIZE_TIME = Histogram("pdserve_tokenize_time_seconds", "Prompt tokenization.", ["role"], buckets=LATENCY_BUCKETS)
+KV_CACHE_BYTES = Gauge(
+    "pdserve_kv_cache_bytes", "KV cache bytes by state (free, used, pinned).", ["role", "state"]
+)
+TOKENIZE_TIME = Histogram(
+    "pdserve_tokenize_time_seconds", "Prompt tokenization.", ["role"], buckets=LATENCY_BUCKETS
+)
 
 
 # A worker's counters, created at start-up so that one that has not moved yet reads 0 instead of
 # being absent (what rate() and dashboards expect); the router has none of them.
 WORKER_COUNTERS = (
-    PROMPT_TOKENS, GENERATION_TOKENS, NUM_PREEMPTIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
+    PROMPT_TOKENS,
+    GENERATION_TOKENS,
+    NUM_PREEMPTIONS,
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
     KV_TRANSFER_BYTES,
 )
 

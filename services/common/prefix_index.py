@@ -63,7 +63,9 @@ class PrefixIndexUnavailable(RuntimeError):
 class InMemoryPrefixIndex(PrefixIndex):
     """The index in this process's memory (tests; one-process deployments)."""
 
-    def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_blocks_per_worker: int | None = None) -> None:
+    def __init__(
+        self, ttl_s: float = DEFAULT_TTL_S, max_blocks_per_worker: int | None = None
+    ) -> None:
         """`max_blocks_per_worker`: keep only this many most recently stored hashes per worker
         (for an index fed by guesses, which never hears of evictions)."""
         self.ttl_s = ttl_s
@@ -105,7 +107,10 @@ class InMemoryPrefixIndex(PrefixIndex):
             for worker in [w for w, seen in self._seen.items() if now - seen > self.ttl_s]:
                 del self._seen[worker]  # expired, as a Redis key would
                 self._blocks.pop(worker, None)
-            return {worker: _leading(self._blocks.get(worker, {}), block_hashes) for worker in self._seen}
+            return {
+                worker: _leading(self._blocks.get(worker, {}), block_hashes)
+                for worker in self._seen
+            }
 
 
 def _leading(held: dict[BlockHash, None], block_hashes: Sequence[BlockHash]) -> int:
@@ -155,11 +160,15 @@ class RedisPrefixIndex(PrefixIndex):
     `namespace` should name the model and block size ("pdserve:{model_id}:{block_size}").
     """
 
-    def __init__(self, url: str, namespace: str, ttl_s: float = DEFAULT_TTL_S, timeout_s: float = 0.5) -> None:
+    def __init__(
+        self, url: str, namespace: str, ttl_s: float = DEFAULT_TTL_S, timeout_s: float = 0.5
+    ) -> None:
         import redis
 
         self._redis_errors = (redis.RedisError, OSError)
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
         self.namespace = namespace
         self.ttl_s = ttl_s
         self._match = self.client.register_script(_MATCH_SCRIPT)
@@ -192,8 +201,11 @@ class RedisPrefixIndex(PrefixIndex):
         self._run(write)
 
     def _touch(self, pipe, worker: str) -> None:
-        self._touch_script(keys=[f"{self.namespace}:workers", self._worker_key(worker)],
-                           args=[worker, max(1, int(self.ttl_s + 0.999))], client=pipe)
+        self._touch_script(
+            keys=[f"{self.namespace}:workers", self._worker_key(worker)],
+            args=[worker, max(1, int(self.ttl_s + 0.999))],
+            client=pipe,
+        )
 
     def replace(self, worker: str, block_hashes: Sequence[BlockHash]) -> None:
         key = self._worker_key(worker)
@@ -218,17 +230,21 @@ class RedisPrefixIndex(PrefixIndex):
         return self._run(beat)
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
-        reply = self._run(lambda: self._match(
-            keys=[f"{self.namespace}:workers"],
-            args=[self.ttl_s, f"{self.namespace}:worker:", *(h.hex() for h in block_hashes)],
-        ))
+        reply = self._run(
+            lambda: self._match(
+                keys=[f"{self.namespace}:workers"],
+                args=[self.ttl_s, f"{self.namespace}:worker:", *(h.hex() for h in block_hashes)],
+            )
+        )
         return {reply[i].decode(): int(reply[i + 1]) for i in range(0, len(reply), 2)}
 
     def close(self) -> None:
         self.client.close()
 
 
-def make_prefix_index(redis_url: str | None, model_id: str, block_size: int, ttl_s: float = DEFAULT_TTL_S) -> PrefixIndex:
+def make_prefix_index(
+    redis_url: str | None, model_id: str, block_size: int, ttl_s: float = DEFAULT_TTL_S
+) -> PrefixIndex:
     """`RedisPrefixIndex` when `redis_url` is given, else `InMemoryPrefixIndex`.
     ValueError naming `index_ttl` unless `ttl_s` > 0."""
     if not ttl_s > 0:

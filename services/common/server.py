@@ -42,7 +42,13 @@ class RunningService:
 
     def ready_line(self, **extra) -> str:
         """`ready {json}`: what `pdserve serve` reads to learn where this service listens."""
-        info = {"role": self.role, "grpc": self.grpc_address, "metrics": self.metrics_url, "pid": os.getpid(), **extra}
+        info = {
+            "role": self.role,
+            "grpc": self.grpc_address,
+            "metrics": self.metrics_url,
+            "pid": os.getpid(),
+            **extra,
+        }
         return "ready " + json.dumps(info)
 
 
@@ -82,12 +88,18 @@ def start_service(
         raise RuntimeError(f"port: cannot bind {host}:{port} (in use, or not a local address)")
     server.start()
     metrics_bound = start_metrics_server(host, metrics_port)
-    return RunningService(role, server, f"{host}:{bound}", f"http://{host}:{metrics_bound}/metrics", health_servicer)
+    return RunningService(
+        role, server, f"{host}:{bound}", f"http://{host}:{metrics_bound}/metrics", health_servicer
+    )
 
 
 def wait_for_termination(
-    service: RunningService, on_stop: Callable[[], None] | None = None, grace: float = 5.0,
-    draining: threading.Event | None = None, drained: Callable[[], bool] | None = None, drain_timeout: float = 0.0,
+    service: RunningService,
+    on_stop: Callable[[], None] | None = None,
+    grace: float = 5.0,
+    draining: threading.Event | None = None,
+    drained: Callable[[], bool] | None = None,
+    drain_timeout: float = 0.0,
 ) -> None:
     """Block until SIGINT/SIGTERM, then drain and stop.
 

@@ -21,14 +21,20 @@ def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
     """EngineConfig from the worker flags (ValueError names a bad field)."""
     optional = {"engine_id": args.engine_id} if getattr(args, "engine_id", None) else {}
     return EngineConfig(
-        model=args.model, role=role, dtype=args.dtype, block_size=args.block_size,
-        max_model_len=args.max_model_len, num_blocks=args.num_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
+        model=args.model,
+        role=role,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
         enable_kv_events=bool(getattr(args, "redis_url", None)),
         kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout", 30.0),
-        max_num_waiting_for_kv=getattr(args, "max_num_waiting_for_kv", 64), **optional,
+        max_num_waiting_for_kv=getattr(args, "max_num_waiting_for_kv", 64),
+        **optional,
     )
 
 
@@ -39,14 +45,21 @@ def worker_info(loop: EngineLoop, role: str) -> common_pb2.WorkerInfo:
         engine = loop.engine
         pool = engine.kv_cache.pool
         return common_pb2.WorkerInfo(
-            role=role, engine_id=engine.config.engine_id, model=engine.config.model,
-            kv_layout=layout_to_proto(engine.kv_cache.spec), max_model_len=engine.config.max_model_len,
-            vocab_size=engine.runner.vocab_size, num_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
+            role=role,
+            engine_id=engine.config.engine_id,
+            model=engine.config.model,
+            kv_layout=layout_to_proto(engine.kv_cache.spec),
+            max_model_len=engine.config.max_model_len,
+            vocab_size=engine.runner.vocab_size,
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
             num_pinned_blocks=engine.num_pinned_blocks,
-            num_running=engine.scheduler.num_running, num_waiting=engine.scheduler.num_waiting,
+            num_running=engine.scheduler.num_running,
+            num_waiting=engine.scheduler.num_waiting,
             num_prompt_tokens_computed=engine.scheduler.num_prompt_tokens_computed,
             max_step_tokens_per_request=loop.max_step_tokens_per_request,
-            num_cached_blocks=pool.num_cached_blocks, model_id=engine.model_id,
+            num_cached_blocks=pool.num_cached_blocks,
+            model_id=engine.model_id,
         )
 
     return loop.call(snapshot)

@@ -25,7 +25,13 @@ from services.common.errors import PeerUnavailableError, ServiceUnavailableError
 from services.common.kv_transfer_grpc import GrpcKVTransfer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import start_service, wait_for_termination
-from services.common.worker import AdminServicer, cache_salt, engine_config, next_output, worker_info
+from services.common.worker import (
+    AdminServicer,
+    cache_salt,
+    engine_config,
+    next_output,
+    worker_info,
+)
 from services.engine import Engine, EngineRole
 from services.engine.errors import InvalidRequestError, KVHandshakeError, KVTransferError
 from services.engine.outputs import KVReserved
@@ -43,7 +49,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
     def Decode(self, request, context):
         if self.draining.is_set():
-            raise ServiceUnavailableError("this decode worker is draining (SIGTERM): send the request elsewhere")
+            raise ServiceUnavailableError(
+                "this decode worker is draining (SIGTERM): send the request elsewhere"
+            )
         with self._lock:
             self.num_streams += 1
         try:
@@ -54,15 +62,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
     def _decode(self, request, context):
         if not request.request_id or not request.HasField("kv_handle"):
-            raise InvalidRequestError("kv_handle", "a decode request needs request_id and the prefill's kv_handle")
+            raise InvalidRequestError(
+                "kv_handle", "a decode request needs request_id and the prefill's kv_handle"
+            )
         handle, source = handle_from_proto(request.kv_handle)
         params = sampling_from_proto(request.sampling)
         prompt_ids, salt = list(request.prompt_token_ids), cache_salt(request.cache_salt)
         request_id = request.request_id
         self.transfer.set_source(request_id, source)  # its lease is renewed from now on
         try:
-            self.transfer.connect(handle, self.loop.engine.kv_peer_info)  # on this thread: a network call
-            stream = self.loop.submit(request_id, prompt_ids, params, kv_handle=handle, cache_salt=salt)
+            self.transfer.connect(
+                handle, self.loop.engine.kv_peer_info
+            )  # on this thread: a network call
+            stream = self.loop.submit(
+                request_id, prompt_ids, params, kv_handle=handle, cache_salt=salt
+            )
             landed = False
             while (out := next_output(stream, context)) is not None:
                 if isinstance(out, KVReserved):  # pull on this thread; the batch keeps stepping
@@ -74,7 +88,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     # A request that ended at admission has only the prefill's first token: none new.
                     token_ids=out.new_token_ids if len(out.output_token_ids) > 1 else [],
                     finish_reason=out.finish_reason if out.finished else "",
-                    kv_transfer_seconds=0.0 if landed else self.transfer.pull_seconds.get(request_id, 0.0),
+                    kv_transfer_seconds=0.0
+                    if landed
+                    else self.transfer.pull_seconds.get(request_id, 0.0),
                     num_cached_tokens=out.num_cached_tokens,
                     logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
                 )
@@ -99,8 +115,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         the pull. Raises KVTransferError."""
         kv_cache, ok = self.loop.engine.kv_cache, False
         try:
-            for offset, piece in self.transfer.pull_chunks(handle, reserved.first_block,
-                                                           on_call=lambda call: context.add_callback(call.cancel)):
+            for offset, piece in self.transfer.pull_chunks(
+                handle, reserved.first_block, on_call=lambda call: context.add_callback(call.cancel)
+            ):
                 kv_cache.write_transferred(reserved.block_ids, offset, piece)
             ok = True
         finally:
@@ -114,10 +131,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             if reason == "kv_timeout":
                 metrics.KV_TRANSFER_FAILURES.labels("decode", reason).inc()
             timeout = self.loop.engine.config.kv_transfer_timeout_s
-            return TimeoutError(f"prompt KV of {request_id!r} from {source} did not arrive within {timeout:g} s "
-                                f"(--kv-transfer-timeout)")
-        return PeerUnavailableError(detail or f"prompt KV of {request_id!r} could not be pulled from {source}",
-                                    peer=source)
+            return TimeoutError(
+                f"prompt KV of {request_id!r} from {source} did not arrive within {timeout:g} s "
+                f"(--kv-transfer-timeout)"
+            )
+        return PeerUnavailableError(
+            detail or f"prompt KV of {request_id!r} could not be pulled from {source}", peer=source
+        )
 
     def GetInfo(self, request, context):
         return worker_info(self.loop, "decode")
@@ -125,21 +145,34 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
 def serve(args: argparse.Namespace) -> None:
     """Start the decode worker, print its ready line, block until SIGINT/SIGTERM."""
-    transfer = GrpcKVTransfer("decode", timeout_s=args.kv_transfer_timeout, zero_block=args.debug_zero_kv_block)
+    transfer = GrpcKVTransfer(
+        "decode", timeout_s=args.kv_transfer_timeout, zero_block=args.debug_zero_kv_block
+    )
     engine = Engine(engine_config(args, EngineRole.DECODE), transfer)
     loop = EngineLoop(engine, "decode")
     decode = DecodeServicer(loop, transfer)
     service = start_service(
-        "decode", [(worker_pb2_grpc.add_DecodeServicer_to_server, decode, "pdserve.v1.Decode"),
-                   (worker_pb2_grpc.add_AdminServicer_to_server, AdminServicer(loop), "pdserve.v1.Admin")],
-        args.host, args.port, args.metrics_port,
+        "decode",
+        [
+            (worker_pb2_grpc.add_DecodeServicer_to_server, decode, "pdserve.v1.Decode"),
+            (worker_pb2_grpc.add_AdminServicer_to_server, AdminServicer(loop), "pdserve.v1.Admin"),
+        ],
+        args.host,
+        args.port,
+        args.metrics_port,
         max_workers=args.max_num_seqs + 64,  # every running request holds one streaming RPC
     )
     loop.start()
     print(service.ready_line(engine_id=engine.config.engine_id), flush=True)
+
     def stop() -> None:
         loop.stop()
         transfer.close()
 
-    wait_for_termination(service, on_stop=stop, draining=decode.draining,
-                         drained=lambda: decode.num_streams == 0, drain_timeout=args.drain_timeout)
+    wait_for_termination(
+        service,
+        on_stop=stop,
+        draining=decode.draining,
+        drained=lambda: decode.num_streams == 0,
+        drain_timeout=args.drain_timeout,
+    )

@@ -8,4 +8,11 @@ from services.engine.engine import Engine
 from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.sampling_params import SamplingParams
 
-__all__ = ["CompletionOutput", "Engine", "EngineConfig", "EngineRole", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "EngineRole",
+    "RequestOutput",
+    "SamplingParams",
+]

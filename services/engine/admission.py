@@ -23,9 +23,13 @@ def check_cache_salt(cache_salt: str | None) -> None:
     if cache_salt is None:
         return
     if not isinstance(cache_salt, str) or not cache_salt:
-        raise InvalidRequestError("cache_salt", f"must be a non-empty string or None, got {cache_salt!r:.40}")
+        raise InvalidRequestError(
+            "cache_salt", f"must be a non-empty string or None, got {cache_salt!r:.40}"
+        )
     if len(cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
-        raise InvalidRequestError("cache_salt", f"at most {MAX_CACHE_SALT_BYTES} bytes, got {len(cache_salt.encode())}")
+        raise InvalidRequestError(
+            "cache_salt", f"at most {MAX_CACHE_SALT_BYTES} bytes, got {len(cache_salt.encode())}"
+        )
 
 
 class RequestChecker:
@@ -48,30 +52,44 @@ class RequestChecker:
         """Token ids of a text prompt (no special tokens added) or a checked copy of given ids."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError("prompt", "this model folder has no tokenizer; send token ids")
+                raise InvalidRequestError(
+                    "prompt", "this model folder has no tokenizer; send token ids"
+                )
             return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
-        if prompt is None or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+        if prompt is None or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt
+        ):
             raise InvalidRequestError("prompt_token_ids", "must be a string or a list of integers")
         return [int(t) for t in prompt]
 
     def check(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_handle: KVHandle | None,
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        kv_handle: KVHandle | None,
         cache_salt: str | None,
     ) -> None:
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(
+                "sampling_params", f"expected SamplingParams, got {type(params).__name__}"
+            )
         check_cache_salt(cache_salt)
         if not prompt_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens; max_model_len is {self.max_model_len}")
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_ids)} tokens; max_model_len is {self.max_model_len}"
+            )
         check_token_ids(prompt_ids, self.vocab_size, "prompt_token_ids")
         check_token_ids(list(params.stop_token_ids), self.vocab_size, "stop_token_ids")
         role = self.config.role
         if role == EngineRole.DECODE and kv_handle is None:
             raise InvalidRequestError("kv_handle", "a DECODE engine needs the prompt's KV handle")
         if role != EngineRole.DECODE and kv_handle is not None:
-            raise InvalidRequestError("kv_handle", f"a {role.name} engine computes its own prompt KV")
+            raise InvalidRequestError(
+                "kv_handle", f"a {role.name} engine computes its own prompt KV"
+            )
         if kv_handle is not None:
             self._check_handle(kv_handle, request_id, len(prompt_ids))
         # A PREFILL engine only ever holds the prompt (+ the first token) before the hand-off.
@@ -79,18 +97,23 @@ class RequestChecker:
         max_len = min(len(prompt_ids) + max_tokens, self.max_model_len)
         needed = -(-max_len // self.config.block_size)
         if needed > self.num_blocks:
-            raise ResourceExhaustedError(f"request needs {needed} KV blocks, the cache has {self.num_blocks}")
+            raise ResourceExhaustedError(
+                f"request needs {needed} KV blocks, the cache has {self.num_blocks}"
+            )
 
     def _check_handle(self, handle: KVHandle, request_id: str, num_prompt_tokens: int) -> None:
         """A handle must describe exactly this request's prompt in this engine's block size."""
         if handle.request_id != request_id:
-            raise InvalidRequestError("kv_handle", f"is for request {handle.request_id!r}, not {request_id!r}")
+            raise InvalidRequestError(
+                "kv_handle", f"is for request {handle.request_id!r}, not {request_id!r}"
+            )
         if handle.num_tokens != num_prompt_tokens:
             raise InvalidRequestError("kv_handle", "num_tokens does not match the prompt length")
         block_size = self.config.block_size
         if len(handle.block_ids) != -(-num_prompt_tokens // block_size):
             raise InvalidRequestError(
-                "kv_handle", f"{len(handle.block_ids)} blocks cannot hold {num_prompt_tokens} tokens "
-                f"at block_size {block_size}"
+                "kv_handle",
+                f"{len(handle.block_ids)} blocks cannot hold {num_prompt_tokens} tokens "
+                f"at block_size {block_size}",
             )
         check_token_ids([handle.first_token_id], self.vocab_size, "kv_handle.first_token_id")

@@ -38,7 +38,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: flat cache slot of each new token
     prefills: tuple[PrefillSeq, ...]
     num_prefill_tokens: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] long, padded with each row's first block
+    decode_block_tables: (
+        torch.Tensor
+    )  # [num_decodes, max_blocks] long, padded with each row's first block
     decode_context_lens: torch.Tensor  # [num_decodes] long, including the new token
     block_size: int  # tokens per KV block
 
@@ -57,8 +59,15 @@ class AttentionMetadata:
                 by_length.setdefault(seq.query_len, []).append(seq)
         device = self.slot_mapping.device
         return tuple(
-            (torch.cat([torch.arange(s.query_start, s.query_start + s.query_len, device=device) for s in seqs]),
-             len(seqs))
+            (
+                torch.cat(
+                    [
+                        torch.arange(s.query_start, s.query_start + s.query_len, device=device)
+                        for s in seqs
+                    ]
+                ),
+                len(seqs),
+            )
             for seqs in by_length.values()
         )
 
@@ -77,7 +86,9 @@ class AttentionMetadata:
         max_len = max_blocks * self.block_size
         positions = torch.arange(max_len, device=self.decode_context_lens.device)
         bias = torch.zeros(num_decodes, 1, max_len, device=positions.device)
-        return bias.masked_fill_((positions[None, :] >= self.decode_context_lens[:, None])[:, None, :], float("-inf"))
+        return bias.masked_fill_(
+            (positions[None, :] >= self.decode_context_lens[:, None])[:, None, :], float("-inf")
+        )
 
 
 class AttentionBackend(ABC):
@@ -115,7 +126,9 @@ class TorchSDPABackend(AttentionBackend):
                 rows = slice(seq.query_start, seq.query_start + seq.query_len)
                 out[rows] = _prefill_attention(query[rows], k_cache, v_cache, seq, scale)
         for rows, num_seqs in meta.fresh_prefill_groups:  # one batched causal SDPA call per length
-            out[rows] = _fresh_prefill_attention(query[rows], key[rows], value[rows], num_seqs, scale)
+            out[rows] = _fresh_prefill_attention(
+                query[rows], key[rows], value[rows], num_seqs, scale
+            )
         if meta.num_decodes:
             rows = slice(meta.num_prefill_tokens, None)
             out[rows] = self._decode(query[rows], k_cache, v_cache, meta, scale)
@@ -128,7 +141,9 @@ class TorchSDPABackend(AttentionBackend):
 def _fresh_prefill_attention(q, k, v, num_seqs: int, scale: float) -> torch.Tensor:
     """`num_seqs` prompts of one length L with nothing cached: their new K/V are the whole
     context, so no gather. q: [num_seqs * L, num_heads, head_dim] -> the same shape."""
-    q, k, v = (t.reshape(num_seqs, -1, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [n, heads, L, D]
+    q, k, v = (
+        t.reshape(num_seqs, -1, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)
+    )  # [n, heads, L, D]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[3])
 
@@ -187,7 +202,9 @@ class CPUPagedBackend(TorchSDPABackend):
 
         self.kernel = load_paged_attention()
         if self.kernel is None:
-            raise ValueError("attention_backend: 'cpu_paged' needs the C++ kernel, which could not be built here")
+            raise ValueError(
+                "attention_backend: 'cpu_paged' needs the C++ kernel, which could not be built here"
+            )
 
     def _decode(self, q, k_cache, v_cache, meta, scale):
         q = q.contiguous()
@@ -198,7 +215,10 @@ class CPUPagedBackend(TorchSDPABackend):
         return out
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch_sdpa": TorchSDPABackend, "cpu_paged": CPUPagedBackend}
+_BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch_sdpa": TorchSDPABackend,
+    "cpu_paged": CPUPagedBackend,
+}
 BACKEND_NAMES = ("auto", *_BACKENDS)
 
 
@@ -208,9 +228,13 @@ def get_attention_backend(name: str, device: str) -> AttentionBackend:
     if name == "auto":
         from services.engine.kernels import load_paged_attention
 
-        name = "cpu_paged" if device == "cpu" and load_paged_attention() is not None else "torch_sdpa"
+        name = (
+            "cpu_paged" if device == "cpu" and load_paged_attention() is not None else "torch_sdpa"
+        )
     if name not in _BACKENDS:
-        raise ValueError(f"attention_backend: unknown {name!r}, expected one of {list(BACKEND_NAMES)}")
+        raise ValueError(
+            f"attention_backend: unknown {name!r}, expected one of {list(BACKEND_NAMES)}"
+        )
     if name == "cpu_paged" and device != "cpu":
         raise ValueError(f"attention_backend: 'cpu_paged' runs on the CPU only, not {device!r}")
     return _BACKENDS[name]()

@@ -32,7 +32,12 @@ class BlockPool:
     """
 
     def __init__(
-        self, num_blocks: int, *, shuffle: bool = False, seed: int | None = 0, record_events: bool = False
+        self,
+        num_blocks: int,
+        *,
+        shuffle: bool = False,
+        seed: int | None = 0,
+        record_events: bool = False,
     ) -> None:
         assert num_blocks >= 1
         self.num_blocks = num_blocks
@@ -40,7 +45,9 @@ class BlockPool:
         if shuffle:
             random.Random(seed).shuffle(order)
         self._free: deque[int] = deque(order)
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self._evictable: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # cached, unreferenced; oldest first
         self._ref_counts = [0] * num_blocks
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}  # hash -> the block holding it
@@ -123,8 +130,12 @@ class BlockPool:
         return block_ids
 
     def cache_blocks(
-        self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash], parent: BlockHash,
-        token_ids: Sequence[int], block_size: int,
+        self,
+        block_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        parent: BlockHash,
+        token_ids: Sequence[int],
+        block_size: int,
     ) -> None:
         """Give used, full blocks their hashes (`block_ids[i]` holds `token_ids[i*block_size:
         (i+1)*block_size]` and hashes to `block_hashes[i]`; the first block's parent hash is
@@ -145,10 +156,14 @@ class BlockPool:
         if self.events is None:
             return
         first, last = run[0], run[-1]
-        self.events.append(BlockStored(
-            tuple(block_hashes[first : last + 1]), block_hashes[first - 1] if first else parent,
-            tuple(token_ids[first * block_size : (last + 1) * block_size]), block_size,
-        ))
+        self.events.append(
+            BlockStored(
+                tuple(block_hashes[first : last + 1]),
+                block_hashes[first - 1] if first else parent,
+                tuple(token_ids[first * block_size : (last + 1) * block_size]),
+                block_size,
+            )
+        )
 
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash the prefix cache holds now (of cached and of in-use blocks)."""
@@ -189,15 +204,20 @@ class BlockPool:
         if len(free) != len(self._free):
             raise RuntimeError("free list holds a block twice")
         used = {b for b, count in enumerate(self._ref_counts) if count > 0}
-        for name, group in (("free and cached", free & cached), ("free and used", free & used),
-                            ("cached and used", cached & used)):
+        for name, group in (
+            ("free and cached", free & cached),
+            ("free and used", free & used),
+            ("cached and used", cached & used),
+        ):
             if group:
                 raise RuntimeError(f"blocks both {name}: {sorted(group)[:8]}")
         if len(free) + len(cached) + len(used) != self.num_blocks:
             raise RuntimeError(
                 f"free {len(free)} + cached {len(cached)} + used {len(used)} != total {self.num_blocks}"
             )
-        if any(self._hash_of[b] is not None for b in free) or any(self._hash_of[b] is None for b in cached):
+        if any(self._hash_of[b] is not None for b in free) or any(
+            self._hash_of[b] is None for b in cached
+        ):
             raise RuntimeError("a free block holds a hash, or a cached block holds none")
         hashed = {b: h for b, h in enumerate(self._hash_of) if h is not None}
         if {h: b for b, h in hashed.items()} != self._cached:

@@ -84,8 +84,13 @@ class EngineConfig:
             raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                     "max_num_waiting_for_kv"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "kv_cache_memory_bytes",
+            "max_num_waiting_for_kv",
+        ):
             _check_positive_int(name, getattr(self, name))
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
@@ -93,12 +98,20 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_kv_events", "shuffle_free_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
         if self.attention_backend not in BACKEND_NAMES:
-            raise ValueError(f"attention_backend: expected one of {list(BACKEND_NAMES)}, got {self.attention_backend!r}")
-        if not (isinstance(self.kv_transfer_timeout_s, (int, float)) and self.kv_transfer_timeout_s > 0):
-            raise ValueError(f"kv_transfer_timeout_s: must be > 0 seconds, got {self.kv_transfer_timeout_s!r}")
+            raise ValueError(
+                f"attention_backend: expected one of {list(BACKEND_NAMES)}, got {self.attention_backend!r}"
+            )
+        if not (
+            isinstance(self.kv_transfer_timeout_s, (int, float)) and self.kv_transfer_timeout_s > 0
+        ):
+            raise ValueError(
+                f"kv_transfer_timeout_s: must be > 0 seconds, got {self.kv_transfer_timeout_s!r}"
+            )
         if not self.engine_id:
             raise ValueError("engine_id: must not be empty")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

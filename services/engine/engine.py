@@ -17,6 +17,7 @@ import torch
 from transformers import AutoTokenizer
 
 from services.engine.admission import RequestChecker
+from services.engine.block_hash import BlockHash
 from services.engine.config import EngineConfig, EngineRole
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.errors import (
@@ -25,13 +26,17 @@ from services.engine.errors import (
     RequestNotFoundError,
 )
 from services.engine.kv_cache import KVCache
-from services.engine.block_hash import BlockHash
 from services.engine.kv_events import KVEvent
 from services.engine.kv_transfer.base import KVHandle, KVSource, KVTransfer
 from services.engine.kv_transfer.handshake import KVPeerInfo
 from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
 from services.engine.loader import model_id, resolve_model
-from services.engine.model_runner import ModelRunner, check_model_config, load_model, resolve_max_model_len
+from services.engine.model_runner import (
+    ModelRunner,
+    check_model_config,
+    load_model,
+    resolve_max_model_len,
+)
 from services.engine.outputs import CompletionOutput, KVReserved, RequestOutput
 from services.engine.remote_kv import RemoteKV
 from services.engine.request import Request, RequestStatus
@@ -55,8 +60,13 @@ class Engine(KVSource):
         num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_cache_memory_bytes)
         self.model_id = model_id(Path(self.model_path))
         self.kv_cache = KVCache(
-            spec, num_blocks, config.device, shuffle=config.shuffle_free_blocks, seed=config.seed,
-            model_id=self.model_id if config.enable_prefix_caching else None, record_events=config.enable_kv_events,
+            spec,
+            num_blocks,
+            config.device,
+            shuffle=config.shuffle_free_blocks,
+            seed=config.seed,
+            model_id=self.model_id if config.enable_prefix_caching else None,
+            record_events=config.enable_kv_events,
         )
         self.kv_transfer = kv_transfer or InMemoryKVTransfer()
         self.scheduler = Scheduler(config, self.kv_cache, kv_ready=lambda r: self.remote.ready(r))
@@ -102,7 +112,9 @@ class Engine(KVSource):
         if request_id in self.requests or request_id in self.pinned:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt_ids = self.checker.prompt_ids(prompt)
-        if kv_handle is not None:  # first: with another layout, the handle's numbers mean nothing here
+        if (
+            kv_handle is not None
+        ):  # first: with another layout, the handle's numbers mean nothing here
             try:
                 self.kv_transfer.connect(kv_handle, self.kv_peer_info)
             except KVHandshakeError:
@@ -111,7 +123,14 @@ class Engine(KVSource):
         self.checker.check(request_id, prompt_ids, params, kv_handle, cache_salt)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(
-            request_id, prompt_ids, params, seed, self.eos_token_id, time.monotonic(), kv_handle, cache_salt
+            request_id,
+            prompt_ids,
+            params,
+            seed,
+            self.eos_token_id,
+            time.monotonic(),
+            kv_handle,
+            cache_salt,
         )
         if kv_handle is not None:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -181,7 +200,10 @@ class Engine(KVSource):
         """Run one iteration; returns an output for every request that got a token or finished."""
         outputs = [self._finish(r) for r in self._finished_at_admission]
         self._finished_at_admission.clear()
-        outputs += [self._end_remote(r, RequestStatus.FINISHED_KV_TIMEOUT) for r in self.scheduler.timed_out()]
+        outputs += [
+            self._end_remote(r, RequestStatus.FINISHED_KV_TIMEOUT)
+            for r in self.scheduler.timed_out()
+        ]
         sched = self.scheduler.schedule()
         self.last_step = sched
         outputs += self._load_remote_kv(sched)
@@ -207,11 +229,23 @@ class Engine(KVSource):
             request.finish(RequestStatus.FINISHED_ERROR)
         return [self._finish(request) for request in failed]
 
-    def _output(self, request: Request, new: list[int], handle: KVHandle | None = None) -> RequestOutput:
-        new_logprobs = tuple(request.output_logprobs[len(request.output_logprobs) - len(new):]) if request.output_logprobs else ()
+    def _output(
+        self, request: Request, new: list[int], handle: KVHandle | None = None
+    ) -> RequestOutput:
+        new_logprobs = (
+            tuple(request.output_logprobs[len(request.output_logprobs) - len(new) :])
+            if request.output_logprobs
+            else ()
+        )
         return RequestOutput(
-            request.request_id, new, list(request.output_token_ids), request.status.is_finished,
-            request.status.finish_reason, handle, new_logprobs, request.num_cached_tokens or 0,
+            request.request_id,
+            new,
+            list(request.output_token_ids),
+            request.status.is_finished,
+            request.status.finish_reason,
+            handle,
+            new_logprobs,
+            request.num_cached_tokens or 0,
         )
 
     def _finish(self, request: Request) -> RequestOutput:
@@ -226,8 +260,11 @@ class Engine(KVSource):
         del self.requests[request.request_id]
         num_prompt_blocks = -(-len(request.prompt_token_ids) // self.config.block_size)
         handle = KVHandle(
-            request.request_id, self.config.engine_id, tuple(request.block_table[:num_prompt_blocks]),
-            len(request.prompt_token_ids), request.output_token_ids[0],
+            request.request_id,
+            self.config.engine_id,
+            tuple(request.block_table[:num_prompt_blocks]),
+            len(request.prompt_token_ids),
+            request.output_token_ids[0],
         )
         self.pinned[request.request_id] = request
         self.kv_transfer.publish(handle)
@@ -241,16 +278,23 @@ class Engine(KVSource):
 
     def _pinned_request(self, handle: KVHandle, first_block: int) -> Request:
         request = self.pinned.get(handle.request_id)
-        if request is None or tuple(request.block_table[: len(handle.block_ids)]) != handle.block_ids:
+        if (
+            request is None
+            or tuple(request.block_table[: len(handle.block_ids)]) != handle.block_ids
+        ):
             raise RequestNotFoundError(handle.request_id)  # only a pinned request's own blocks
         if not 0 <= first_block < len(handle.block_ids):
-            raise InvalidRequestError("first_block", f"{first_block} outside the handle's {len(handle.block_ids)} blocks")
+            raise InvalidRequestError(
+                "first_block", f"{first_block} outside the handle's {len(handle.block_ids)} blocks"
+            )
         return request
 
     def kv_buffers(self, handle: KVHandle, first_block: int, last_block: int) -> list[memoryview]:
         self._pinned_request(handle, first_block)
         if not first_block < last_block <= len(handle.block_ids):
-            raise InvalidRequestError("last_block", f"{last_block} outside the handle's blocks after {first_block}")
+            raise InvalidRequestError(
+                "last_block", f"{last_block} outside the handle's blocks after {first_block}"
+            )
         return self.kv_cache.block_buffers(list(handle.block_ids[first_block:last_block]))
 
     def release_kv(self, request_id: str) -> None:
@@ -286,12 +330,18 @@ class Engine(KVSource):
     ) -> list[CompletionOutput]:
         """Run prompts to completion (BOTH role); outputs in prompt order."""
         if self.config.role != EngineRole.BOTH:
-            raise InvalidRequestError("role", f"generate() needs a BOTH engine, not {self.config.role.name}")
+            raise InvalidRequestError(
+                "role", f"generate() needs a BOTH engine, not {self.config.role.name}"
+            )
         if self.has_unfinished_requests():
-            raise InvalidRequestError("generate", "the engine has requests in flight; drive them with step()")
+            raise InvalidRequestError(
+                "generate", "the engine has requests in flight; drive them with step()"
+            )
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
-            raise InvalidRequestError("sampling_params", f"{len(params_list)} for {len(prompts)} prompts")
+            raise InvalidRequestError(
+                "sampling_params", f"{len(params_list)} for {len(prompts)} prompts"
+            )
         ids: list[str] = []
         try:
             for prompt, sp in zip(prompts, params_list):
@@ -310,9 +360,15 @@ class Engine(KVSource):
                     if out.finished:
                         done[out.request_id] = out
         return [
-            CompletionOutput(rid, prompt_ids[rid], done[rid].output_token_ids,
-                             self.decode(prompt_ids[rid], done[rid].output_token_ids), done[rid].finish_reason,
-                             tuple(logprobs[rid]), done[rid].num_cached_tokens)
+            CompletionOutput(
+                rid,
+                prompt_ids[rid],
+                done[rid].output_token_ids,
+                self.decode(prompt_ids[rid], done[rid].output_token_ids),
+                done[rid].finish_reason,
+                tuple(logprobs[rid]),
+                done[rid].num_cached_tokens,
+            )
             for rid in ids
         ]
 
@@ -335,12 +391,19 @@ class Engine(KVSource):
         """Raise RuntimeError if block accounting is broken (tests call it after every step)."""
         pool = self.kv_cache.pool
         pool.check_integrity()
-        holders = [*self.scheduler.running, *self.scheduler.reserved, *self.pinned.values(), *self.remote.abandoned]
+        holders = [
+            *self.scheduler.running,
+            *self.scheduler.reserved,
+            *self.pinned.values(),
+            *self.remote.abandoned,
+        ]
         refs = collections.Counter(b for r in holders for b in r.block_table)
         wrong = [b for b in range(pool.num_blocks) if refs[b] != pool.ref_count(b)]
         if wrong:
             b = wrong[0]
-            raise RuntimeError(f"requests hold block {b} {refs[b]} times, its ref count is {pool.ref_count(b)}")
+            raise RuntimeError(
+                f"requests hold block {b} {refs[b]} times, its ref count is {pool.ref_count(b)}"
+            )
 
 
 def _load_tokenizer(path: str):

@@ -44,7 +44,8 @@ class KVCacheSpec:
         want = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         if tuple(data.shape) != want or data.dtype != self.dtype:
             raise InvalidRequestError(
-                "kv_handle", f"KV layout {tuple(data.shape)} {data.dtype} does not match {want} {self.dtype}"
+                "kv_handle",
+                f"KV layout {tuple(data.shape)} {data.dtype} does not match {want} {self.dtype}",
             )
 
     def num_blocks_for(self, memory_bytes: int) -> int:
@@ -67,8 +68,15 @@ class KVCache:
     """
 
     def __init__(
-        self, spec: KVCacheSpec, num_blocks: int, device: str, *, shuffle: bool = False, seed: int | None = 0,
-        model_id: str | None = None, record_events: bool = False,
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        device: str,
+        *,
+        shuffle: bool = False,
+        seed: int | None = 0,
+        model_id: str | None = None,
+        record_events: bool = False,
     ) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
@@ -92,7 +100,11 @@ class KVCache:
         if len(request.block_hashes) < num_blocks:
             tokens = request.all_token_ids[: num_blocks * self.spec.block_size]
             request.block_hashes = block_hashes(
-                tokens, self.spec.block_size, self.model_id, request.cache_salt, known=request.block_hashes
+                tokens,
+                self.spec.block_size,
+                self.model_id,
+                request.cache_salt,
+                known=request.block_hashes,
             )
         return request.block_hashes[:num_blocks]
 
@@ -103,7 +115,9 @@ class KVCache:
             return []
         return self.pool.lookup(self.block_hashes(request, max_blocks))
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()
+    ) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False (nothing taken) if short.
 
         `cached_blocks` (from `get_computed_blocks`, for a request with no blocks yet) start the
@@ -113,8 +127,12 @@ class KVCache:
         if cached_blocks:
             assert not request.block_table and request.num_computed_tokens == 0
         start = len(cached_blocks) * self.spec.block_size + request.num_computed_tokens
-        needed = max(0, math.ceil((start + num_new_tokens) / self.spec.block_size)
-                     - len(request.block_table) - len(cached_blocks))
+        needed = max(
+            0,
+            math.ceil((start + num_new_tokens) / self.spec.block_size)
+            - len(request.block_table)
+            - len(cached_blocks),
+        )
         reused = sum(1 for block_id in cached_blocks if self.pool.ref_count(block_id) == 0)
         if needed > self.pool.num_free_blocks - reused:
             return False
@@ -142,8 +160,11 @@ class KVCache:
             return
         hashes = self.block_hashes(request, num_full)
         self.pool.cache_blocks(
-            request.block_table[first:num_full], hashes[first:], hashes[first - 1] if first else ROOT_HASH,
-            request.all_token_ids[first * block_size : num_full * block_size], block_size,
+            request.block_table[first:num_full],
+            hashes[first:],
+            hashes[first - 1] if first else ROOT_HASH,
+            request.all_token_ids[first * block_size : num_full * block_size],
+            block_size,
         )
         request.num_hashed_blocks = num_full
 
@@ -168,8 +189,12 @@ class KVCache:
             runs = [(0, len(block_ids))]
         else:
             array, runs = _as_numpy(self.kv), _runs(block_ids)
-        return [memoryview(array[layer, k, start : start + n])
-                for layer in range(array.shape[0]) for k in (0, 1) for start, n in runs]
+        return [
+            memoryview(array[layer, k, start : start + n])
+            for layer in range(array.shape[0])
+            for k in (0, 1)
+            for start, n in runs
+        ]
 
     def write_transferred(self, block_ids: Sequence[int], offset: int, piece: torch.Tensor) -> int:
         """Write one transferred piece of KV ([num_layers, 2, n, ...]) into `block_ids[offset:
@@ -217,4 +242,7 @@ def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) 
     slot = block_table[pos // block_size] * block_size + pos % block_size.
     """
     positions = torch.arange(start, end)
-    return torch.tensor(block_table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
+    return (
+        torch.tensor(block_table, dtype=torch.long)[positions // block_size] * block_size
+        + positions % block_size
+    )

@@ -79,7 +79,9 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows = self._prepare(items)
         sampling = [(i, s) for i, s in enumerate(items) if s.sample is not None]
         logits_indices = torch.tensor([logits_rows[i] for i, _ in sampling], dtype=torch.long)
-        logits = self.model(input_ids, positions, self.kv_cache, meta, logits_indices.to(self.device))
+        logits = self.model(
+            input_ids, positions, self.kv_cache, meta, logits_indices.to(self.device)
+        )
         tokens, logprobs = sample(logits, [s.sample for _, s in sampling])
         return ModelRunnerOutput(
             sampled={s.request_id: tok for (_, s), tok in zip(sampling, tokens)},
@@ -103,7 +105,9 @@ class ModelRunner:
             context_len = item.start_position + n
             num_blocks = -(-context_len // block_size)
             if n > 1:
-                table = torch.tensor(item.block_table[:num_blocks], dtype=torch.long, device=self.device)
+                table = torch.tensor(
+                    item.block_table[:num_blocks], dtype=torch.long, device=self.device
+                )
                 prefills.append(PrefillSeq(start, n, context_len, table))
             else:
                 decode_tables.append(item.block_table[:num_blocks])
@@ -118,15 +122,27 @@ class ModelRunner:
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=self.device),
             block_size=block_size,
         )
-        return torch.tensor(ids, dtype=torch.long, device=self.device), positions.to(self.device), meta, logits_rows
+        return (
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions.to(self.device),
+            meta,
+            logits_rows,
+        )
 
     def _slot_mapping(self, items: list[ScheduledRequest]) -> torch.Tensor:
         """[num_tokens] flat cache slot of every token in the step, in batch order."""
         block_size = self.kv_cache.spec.block_size
-        return torch.cat([
-            slot_mapping(item.block_table, item.start_position, item.start_position + len(item.token_ids), block_size)
-            for item in items
-        ])
+        return torch.cat(
+            [
+                slot_mapping(
+                    item.block_table,
+                    item.start_position,
+                    item.start_position + len(item.token_ids),
+                    block_size,
+                )
+                for item in items
+            ]
+        )
 
 
 def _pad(tables: list[list[int]]) -> torch.Tensor:

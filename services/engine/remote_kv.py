@@ -54,7 +54,9 @@ class RemoteKV:
         holds it all, or the transfer can serve it now and nobody claimed the writing."""
         if request.kv_landed or request.kv_first_block >= len(request.kv_handle.block_ids):
             return True
-        return request.request_id not in self._writing and self.kv_transfer.is_ready(request.kv_handle)
+        return request.request_id not in self._writing and self.kv_transfer.is_ready(
+            request.kv_handle
+        )
 
     def end(self, request: Request, status: RequestStatus) -> None:
         """End a request whose KV never loaded: let the source unpin, and free the blocks now
@@ -87,7 +89,9 @@ class RemoteKV:
         for piece in pieces:
             block = self.kv_cache.write_transferred(load.block_ids[:num_blocks], block, piece)
         if block != num_blocks:
-            raise InvalidRequestError("kv_handle", f"the pull covered {block} of {num_blocks} blocks")
+            raise InvalidRequestError(
+                "kv_handle", f"the pull covered {block} of {num_blocks} blocks"
+            )
 
     @property
     def abandoned(self) -> list[Request]:

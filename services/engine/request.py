@@ -109,7 +109,9 @@ class Request:
         assert status.is_finished and not self.status.is_finished
         self.status = status
 
-    def append_output_token(self, token_id: int, max_model_len: int, logprobs: TokenLogprobs | None = None) -> None:
+    def append_output_token(
+        self, token_id: int, max_model_len: int, logprobs: TokenLogprobs | None = None
+    ) -> None:
         """Record a sampled token (and its log-probabilities, if asked for) and finish the
         request if it hit a stop condition."""
         self.output_token_ids.append(token_id)

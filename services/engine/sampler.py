@@ -35,7 +35,9 @@ class SamplingRow:
     output_index: int  # index of the token being sampled among the request's outputs
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: float32 [num_rows, vocab_size] -> (one token id per row, its log-probabilities
     for rows whose params ask for them, else None)."""
     assert logits.shape[0] == len(rows)
@@ -46,7 +48,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     return tokens, _logprobs(logits, rows, tokens)
 
 
-def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]) -> list[TokenLogprobs | None]:
+def _logprobs(
+    logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]
+) -> list[TokenLogprobs | None]:
     out: list[TokenLogprobs | None] = [None] * len(rows)
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:

@@ -55,14 +55,22 @@ class SamplingParams:
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k: must be an integer >= -1 (0 and -1 disable it), got {self.top_k!r}")
+            raise ValueError(
+                f"top_k: must be an integer >= -1 (0 and -1 disable it), got {self.top_k!r}"
+            )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids: must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids: must be non-negative integers, got {self.stop_token_ids!r}"
+            )
 
     @property
     def greedy(self) -> bool:

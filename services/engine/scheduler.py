@@ -70,7 +70,10 @@ class Scheduler:
     """Owns the waiting and running queues and every request's blocks."""
 
     def __init__(
-        self, config: EngineConfig, kv_cache: KVCache, kv_ready: Callable[[Request], bool] = lambda r: True,
+        self,
+        config: EngineConfig,
+        kv_cache: KVCache,
+        kv_ready: Callable[[Request], bool] = lambda r: True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`kv_ready(request)`: whether a reserved DECODE request's prompt KV can be loaded now."""
@@ -80,11 +83,15 @@ class Scheduler:
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.waiting_for_kv: deque[Request] = deque()  # DECODE: no blocks reserved yet (FIFO, bounded)
+        self.waiting_for_kv: deque[Request] = (
+            deque()
+        )  # DECODE: no blocks reserved yet (FIFO, bounded)
         self.reserved: list[Request] = []  # DECODE: blocks reserved, prompt KV not loaded yet
         self.newly_reserved: list[Request] = []  # reserved since the caller last cleared it
         self.num_preemptions = 0
-        self.num_prompt_tokens_computed = 0  # prompt positions run through the model (incl. recompute)
+        self.num_prompt_tokens_computed = (
+            0  # prompt positions run through the model (incl. recompute)
+        )
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_cache_hits = 0  # of those, tokens whose KV was reused
 
@@ -173,7 +180,9 @@ class Scheduler:
         block_size = self.kv_cache.spec.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv_cache.get_computed_blocks(request, max_cached_blocks(request.num_tokens, block_size))
+            cached = self.kv_cache.get_computed_blocks(
+                request, max_cached_blocks(request.num_tokens, block_size)
+            )
             num_cached = len(cached) * block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request, num_new, cached):
@@ -195,7 +204,12 @@ class Scheduler:
             self.reserved.remove(request)
             request.num_computed_tokens = request.kv_handle.num_tokens
             out.remote_loads.append(
-                RemoteLoad(request.request_id, request.kv_handle, list(request.block_table), request.kv_first_block)
+                RemoteLoad(
+                    request.request_id,
+                    request.kv_handle,
+                    list(request.block_table),
+                    request.kv_first_block,
+                )
             )
             num_new = request.num_tokens - request.num_computed_tokens
             self._start(request, num_new, out)
@@ -223,11 +237,18 @@ class Scheduler:
         if end == request.num_tokens:
             sample = SamplingRow(request.sampling_params, request.seed, request.num_output_tokens)
         return ScheduledRequest(
-            request.request_id, request.all_token_ids[start:end], start, list(request.block_table), sample
+            request.request_id,
+            request.all_token_ids[start:end],
+            start,
+            list(request.block_table),
+            sample,
         )
 
     def update(
-        self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, TokenLogprobs],
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        logprobs: dict[str, TokenLogprobs],
         requests: dict[str, Request],
     ) -> list[Request]:
         """Advance computed counts and append sampled tokens; returns requests that got a token."""
@@ -235,11 +256,15 @@ class Scheduler:
         for item in out.scheduled:
             request = requests[item.request_id]
             end = item.start_position + len(item.token_ids)
-            self.num_prompt_tokens_computed += max(0, min(end, len(request.prompt_token_ids)) - item.start_position)
+            self.num_prompt_tokens_computed += max(
+                0, min(end, len(request.prompt_token_ids)) - item.start_position
+            )
             request.num_computed_tokens = end
             self.kv_cache.cache_full_blocks(request)
             if item.request_id in sampled:
-                request.append_output_token(sampled[item.request_id], self.max_model_len, logprobs.get(item.request_id))
+                request.append_output_token(
+                    sampled[item.request_id], self.max_model_len, logprobs.get(item.request_id)
+                )
                 got_token.append(request)
         return got_token
 

@@ -22,7 +22,13 @@ from services.common.kv_transfer_service import KVTransferServicer, add_kv_trans
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.prefix_index import make_prefix_index
 from services.common.server import start_service, wait_for_termination
-from services.common.worker import AdminServicer, cache_salt, engine_config, next_output, worker_info
+from services.common.worker import (
+    AdminServicer,
+    cache_salt,
+    engine_config,
+    next_output,
+    worker_info,
+)
 from services.engine import Engine, EngineRole
 from services.engine.errors import InvalidRequestError
 
@@ -38,12 +44,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     def Prefill(self, request, context):
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         if self.draining.is_set():
-            raise ServiceUnavailableError("this prefill worker is draining (SIGTERM): send the request elsewhere")
+            raise ServiceUnavailableError(
+                "this prefill worker is draining (SIGTERM): send the request elsewhere"
+            )
         if not request.prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids", "must not be empty")
         params = sampling_from_proto(request.sampling)
         stream = self.loop.submit(
-            request_id, list(request.prompt_token_ids), params, cache_salt=cache_salt(request.cache_salt)
+            request_id,
+            list(request.prompt_token_ids),
+            params,
+            cache_salt=cache_salt(request.cache_salt),
         )
         out = next_output(stream, context)
         if out is None:  # the router went away or its deadline passed: nothing stays pinned
@@ -79,8 +90,9 @@ def serve(args: argparse.Namespace) -> None:
 
     loop.add_idle_hook(expire_leases)
     prefill = PrefillServicer(loop)
-    kv = KVTransferServicer(transfer, loop.call, engine.kv_peer_info,
-                            stall_s=args.debug_kv_stall_seconds)
+    kv = KVTransferServicer(
+        transfer, loop.call, engine.kv_peer_info, stall_s=args.debug_kv_stall_seconds
+    )
     service = start_service(
         "prefill",
         [
@@ -88,14 +100,20 @@ def serve(args: argparse.Namespace) -> None:
             (add_kv_transfer_servicer, kv, "pdserve.v1.KVTransfer"),
             (worker_pb2_grpc.add_AdminServicer_to_server, AdminServicer(loop), "pdserve.v1.Admin"),
         ],
-        args.host, args.port, args.metrics_port,
+        args.host,
+        args.port,
+        args.metrics_port,
     )
     prefill.kv_address = service.grpc_address
     loop.start()
     publisher = None
     if args.redis_url:  # exact prefix index: this worker's cache events, under its address
-        index = make_prefix_index(args.redis_url, engine.model_id, engine.config.block_size, args.index_ttl)
-        publisher = KVEventPublisher(loop, index, service.grpc_address, heartbeat_s=args.index_ttl / 3)
+        index = make_prefix_index(
+            args.redis_url, engine.model_id, engine.config.block_size, args.index_ttl
+        )
+        publisher = KVEventPublisher(
+            loop, index, service.grpc_address, heartbeat_s=args.index_ttl / 3
+        )
         publisher.start()
 
     def stop() -> None:
@@ -109,5 +127,10 @@ def serve(args: argparse.Namespace) -> None:
     def drained() -> bool:  # nothing running, nothing pinned for a decode worker to pull
         return loop.call(lambda: not engine.has_unfinished_requests() and not engine.pinned)
 
-    wait_for_termination(service, on_stop=stop, draining=prefill.draining, drained=drained,
-                         drain_timeout=args.drain_timeout)
+    wait_for_termination(
+        service,
+        on_stop=stop,
+        draining=prefill.draining,
+        drained=drained,
+        drain_timeout=args.drain_timeout,
+    )

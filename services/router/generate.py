@@ -27,9 +27,14 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from services.common.convert import sampling_to_proto
-from services.common.errors import PeerUnavailableError, ServiceUnavailableError, failed_peer, status_for
-from services.engine.errors import ResourceExhaustedError
+from services.common.errors import (
+    PeerUnavailableError,
+    ServiceUnavailableError,
+    failed_peer,
+    status_for,
+)
 from services.common.pb import common_pb2, generate_pb2, worker_pb2
+from services.engine.errors import ResourceExhaustedError
 from services.router.cancel import CancelScope, RequestCancelledError
 from services.router.prompt import ModelInfo, PreparedRequest, prepare_request
 from services.router.routing import Routing
@@ -55,7 +60,10 @@ class GenerateFlow:
     """
 
     def __init__(
-        self, model: ModelInfo, pool: WorkerPool, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        self,
+        model: ModelInfo,
+        pool: WorkerPool,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
         routing: Routing | None = None,
     ) -> None:
         if not request_timeout > 0:
@@ -73,7 +81,10 @@ class GenerateFlow:
         return time.monotonic() + time_remaining
 
     def generate(
-        self, request: generate_pb2.GenerateRequest, deadline: float, scope: CancelScope | None = None
+        self,
+        request: generate_pb2.GenerateRequest,
+        deadline: float,
+        scope: CancelScope | None = None,
     ) -> Iterator[generate_pb2.GenerateResponse]:
         """Streams the completion; the last message has finish_reason, usage and timings.
 
@@ -109,7 +120,11 @@ class _RequestRun:
     """One request's state while it flows through prefill and decode."""
 
     def __init__(
-        self, flow: GenerateFlow, request: generate_pb2.GenerateRequest, deadline: float, scope: CancelScope
+        self,
+        flow: GenerateFlow,
+        request: generate_pb2.GenerateRequest,
+        deadline: float,
+        scope: CancelScope,
     ) -> None:
         self.flow = flow
         self.request = request
@@ -131,7 +146,9 @@ class _RequestRun:
             first_logprobs = [prefill.first_logprob] if prefill.HasField("first_logprob") else []
             finish = "stop" if first.stopped else prefill.finish_reason
             if not finish and self.handle is None:
-                raise RuntimeError("prefill worker returned neither a finish_reason nor a kv_handle")
+                raise RuntimeError(
+                    "prefill worker returned neither a finish_reason nor a kv_handle"
+                )
             if finish:
                 yield self._final(first, text, finish, first_logprobs)
                 return
@@ -146,7 +163,9 @@ class _RequestRun:
         assert self.handle is not None
         return self.handle.source or self.prefill_address
 
-    def _decode_or_retry(self, prepared: PreparedRequest, text: TextStream) -> Iterator[generate_pb2.GenerateResponse]:
+    def _decode_or_retry(
+        self, prepared: PreparedRequest, text: TextStream
+    ) -> Iterator[generate_pb2.GenerateResponse]:
         """Decode; if the KV's prefill worker failed before the KV landed, prefill again on
         another healthy worker (once) and decode from there."""
         assert self.handle is not None
@@ -155,21 +174,37 @@ class _RequestRun:
             return
         except grpc.RpcError as exc:
             lost = self._kv_source()
-            if self.kv_landed or exc.code() != grpc.StatusCode.UNAVAILABLE or failed_peer(exc) != lost:
+            if (
+                self.kv_landed
+                or exc.code() != grpc.StatusCode.UNAVAILABLE
+                or failed_peer(exc) != lost
+            ):
                 raise
             self.flow.pool.mark_unhealthy(lost)
-            if not [a for a in self.flow.pool.prefill if a != lost and a not in self.flow.pool.unhealthy]:
+            if not [
+                a for a in self.flow.pool.prefill if a != lost and a not in self.flow.pool.unhealthy
+            ]:
                 raise  # no other prefill worker: UNAVAILABLE
-            logger.warning("request %s: prefill worker %s lost its KV (%s); prefilling again elsewhere",
-                           self.request_id, lost, exc.details())
-        self._release_kv(self.handle.request_id or self.request_id, lost)  # best effort; its lease covers it
+            logger.warning(
+                "request %s: prefill worker %s lost its KV (%s); prefilling again elsewhere",
+                self.request_id,
+                lost,
+                exc.details(),
+            )
+        self._release_kv(
+            self.handle.request_id or self.request_id, lost
+        )  # best effort; its lease covers it
         first_token_id = self.handle.first_token_id
         self.handle = None
         retried = self._prefill(prepared)
         if not retried.HasField("kv_handle"):
-            raise ServiceUnavailableError(f"request {self.request_id}: the retried prefill returned no KV")
+            raise ServiceUnavailableError(
+                f"request {self.request_id}: the retried prefill returned no KV"
+            )
         self.handle = retried.kv_handle
-        self.handle.first_token_id = first_token_id  # continue from the token the client already has
+        self.handle.first_token_id = (
+            first_token_id  # continue from the token the client already has
+        )
         yield from self._decode(prepared, self.handle, text)
 
     def _remaining(self) -> float:
@@ -199,7 +234,9 @@ class _RequestRun:
         another healthy worker, if there is one."""
         routing, num_prompt = self.flow.routing, len(prepared.prompt_token_ids)
         for attempt in (1, 2):
-            self.prefill_address, _ = routing.pick_prefill(prepared.prompt_token_ids, prepared.cache_salt)
+            self.prefill_address, _ = routing.pick_prefill(
+                prepared.prompt_token_ids, prepared.cache_salt
+            )
             try:
                 response = self._call_prefill(prepared)
             except grpc.RpcError as exc:
@@ -211,15 +248,19 @@ class _RequestRun:
                 continue
             finally:
                 routing.prefill_done(self.prefill_address, num_prompt)
-            routing.learn_routed(self.prefill_address, prepared.prompt_token_ids, prepared.cache_salt)
+            routing.learn_routed(
+                self.prefill_address, prepared.prompt_token_ids, prepared.cache_salt
+            )
             return response
         raise AssertionError("unreachable")
 
     def _call_prefill(self, prepared: PreparedRequest) -> worker_pb2.PrefillResponse:
         stub = self.flow.pool.prefill_stub(self.prefill_address)
         message = worker_pb2.PrefillRequest(
-            request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-            sampling=sampling_to_proto(prepared.params), cache_salt=prepared.cache_salt,
+            request_id=prepared.request_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling=sampling_to_proto(prepared.params),
+            cache_salt=prepared.cache_salt,
         )
         self.scope.check()
         start = time.monotonic()
@@ -248,8 +289,12 @@ class _RequestRun:
         try:
             yield from self._stream_decode(prepared, handle, text, address)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and failed_peer(exc) is None:  # the decode worker itself
-                raise PeerUnavailableError(f"decode worker {address}: {exc.details()}", peer=address) from exc
+            if (
+                exc.code() == grpc.StatusCode.UNAVAILABLE and failed_peer(exc) is None
+            ):  # the decode worker itself
+                raise PeerUnavailableError(
+                    f"decode worker {address}: {exc.details()}", peer=address
+                ) from exc
             raise
         finally:
             self.flow.routing.decode_done(address)
@@ -259,8 +304,11 @@ class _RequestRun:
     ) -> Iterator[generate_pb2.GenerateResponse]:
         stub = self.flow.pool.decode_stub(address)
         message = worker_pb2.DecodeRequest(
-            request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-            sampling=sampling_to_proto(prepared.params), kv_handle=handle, cache_salt=prepared.cache_salt,
+            request_id=prepared.request_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling=sampling_to_proto(prepared.params),
+            kv_handle=handle,
+            cache_salt=prepared.cache_salt,
         )
         self.scope.check()
         call = self.scope.track(stub.Decode(message, timeout=self._remaining()))
@@ -286,16 +334,24 @@ class _RequestRun:
             self.scope.untrack(call)
             call.cancel()  # no-op once the stream has completed; frees the worker otherwise
 
-    def _message(self, delta: TextDelta, logprobs: Sequence[common_pb2.TokenLogprob]) -> generate_pb2.GenerateResponse:
+    def _message(
+        self, delta: TextDelta, logprobs: Sequence[common_pb2.TokenLogprob]
+    ) -> generate_pb2.GenerateResponse:
         """A streamed message; `logprobs` (empty unless asked for) are those of the tokens the
         worker sent, of which the accepted `delta.token_ids` are a prefix."""
         self.stats.on_tokens_sent(len(delta.token_ids))
         return generate_pb2.GenerateResponse(
-            token_ids=delta.token_ids, text=delta.text, logprobs=list(logprobs)[: len(delta.token_ids)]
+            token_ids=delta.token_ids,
+            text=delta.text,
+            logprobs=list(logprobs)[: len(delta.token_ids)],
         )
 
     def _final(
-        self, delta: TextDelta, text: TextStream, finish_reason: str, logprobs: Sequence[common_pb2.TokenLogprob]
+        self,
+        delta: TextDelta,
+        text: TextStream,
+        finish_reason: str,
+        logprobs: Sequence[common_pb2.TokenLogprob],
     ) -> generate_pb2.GenerateResponse:
         """The last message: remaining text (held-back text is released), usage, timings."""
         chunk = delta.text
@@ -307,8 +363,12 @@ class _RequestRun:
             self.stats.on_tokens_sent(len(delta.token_ids))
         self.stats.on_finished(finish_reason)
         return generate_pb2.GenerateResponse(
-            token_ids=delta.token_ids, text=chunk, finish_reason=finish_reason,
-            usage=self.stats.usage(), timings=self.stats.timings(), logprobs=list(logprobs)[: len(delta.token_ids)],
+            token_ids=delta.token_ids,
+            text=chunk,
+            finish_reason=finish_reason,
+            usage=self.stats.usage(),
+            timings=self.stats.timings(),
+            logprobs=list(logprobs)[: len(delta.token_ids)],
         )
 
     def _release_kv(self, request_id: str, source: str) -> None:
@@ -317,8 +377,9 @@ class _RequestRun:
         and the request's thread has nothing to wait for."""
         try:
             stub = self.flow.pool.kv_transfer_stub(source)
-            future = stub.ReleaseKV.future(worker_pb2.ReleaseKVRequest(request_id=request_id),
-                                           timeout=RELEASE_KV_TIMEOUT_S)
+            future = stub.ReleaseKV.future(
+                worker_pb2.ReleaseKVRequest(request_id=request_id), timeout=RELEASE_KV_TIMEOUT_S
+            )
         except ValueError as exc:  # a malformed source address
             logger.warning("ReleaseKV(%s) at %r not sent: %s", request_id, source, exc)
             return
@@ -330,7 +391,12 @@ def _log_release_failure(done: grpc.Future, request_id: str, source: str) -> Non
         return
     exc = done.exception()
     code = exc.code().name if isinstance(exc, grpc.RpcError) else type(exc).__name__
-    logger.warning("ReleaseKV(%s) at %r failed: %s (the worker's lease frees the blocks)", request_id, source, code)
+    logger.warning(
+        "ReleaseKV(%s) at %r failed: %s (the worker's lease frees the blocks)",
+        request_id,
+        source,
+        code,
+    )
 
 
 def _drain(call: grpc.Call) -> None:

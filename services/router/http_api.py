@@ -111,12 +111,16 @@ class _Handler(BaseHTTPRequestHandler):
             max_model_len = self.server.flow.model.max_model_len
             self._send_json(200, oai.models_body(self.server.model_name, max_model_len))
         else:
-            self._send_json(404, oai.error_body(f"path: no route {self.path}", "not_found_error", 404))
+            self._send_json(
+                404, oai.error_body(f"path: no route {self.path}", "not_found_error", 404)
+            )
 
     def do_POST(self) -> None:
         chat = _ROUTES.get(self.path)
         if chat is None:
-            self._send_json(404, oai.error_body(f"path: no route {self.path}", "not_found_error", 404))
+            self._send_json(
+                404, oai.error_body(f"path: no route {self.path}", "not_found_error", 404)
+            )
             return
         try:
             request = oai.parse_request(self._read_json(), chat)
@@ -125,7 +129,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         scope = CancelScope()
         watcher = _DisconnectWatcher(self.connection, scope)
-        responses = self.server.flow.generate(request.generate, self.server.flow.deadline_for(None), scope)
+        responses = self.server.flow.generate(
+            request.generate, self.server.flow.deadline_for(None), scope
+        )
         try:
             if request.stream:
                 self._stream(request, responses)
@@ -163,8 +169,12 @@ class _Handler(BaseHTTPRequestHandler):
         text = "".join(m.text for m in messages)
         entries = [lp for m in messages for lp in m.logprobs]
         token_ids = [lp.token_id for lp in entries]
-        logprobs = oai.logprobs_body(request, entries, self._token_text, self._text_offsets(token_ids, 0, len(text)))
-        body = oai.response_body(request, self.server.model_name, text, last.finish_reason, last.usage, logprobs)
+        logprobs = oai.logprobs_body(
+            request, entries, self._token_text, self._text_offsets(token_ids, 0, len(text))
+        )
+        body = oai.response_body(
+            request, self.server.model_name, text, last.finish_reason, last.usage, logprobs
+        )
         self._send_json(200, body)
 
     def _token_text(self, token_id: int) -> str:
@@ -178,10 +188,14 @@ class _Handler(BaseHTTPRequestHandler):
         tokenizer = self.server.flow.model.tokenizer
         if tokenizer is None:
             return [0] * (len(token_ids) - first)
-        return [min(len(tokenizer.decode(token_ids[:i]).rstrip("\ufffd")), text_len)
-                for i in range(first, len(token_ids))]
+        return [
+            min(len(tokenizer.decode(token_ids[:i]).rstrip("\ufffd")), text_len)
+            for i in range(first, len(token_ids))
+        ]
 
-    def _stream(self, request: oai.OpenAIRequest, responses: Iterator[generate_pb2.GenerateResponse]) -> None:
+    def _stream(
+        self, request: oai.OpenAIRequest, responses: Iterator[generate_pb2.GenerateResponse]
+    ) -> None:
         """SSE: the first message is awaited before the 200 so bad input still gets a 400."""
         try:
             first = next(responses)
@@ -202,8 +216,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._event(http_error(exc)[1])
             self._event_done()
 
-    def _write_events(self, request: oai.OpenAIRequest, first: generate_pb2.GenerateResponse,
-                      responses: Iterator[generate_pb2.GenerateResponse]) -> None:
+    def _write_events(
+        self,
+        request: oai.OpenAIRequest,
+        first: generate_pb2.GenerateResponse,
+        responses: Iterator[generate_pb2.GenerateResponse],
+    ) -> None:
         model, message, is_first = self.server.model_name, first, True
         token_ids: list[int] = []  # every token streamed so far, for logprobs' text offsets
         text_len = 0
@@ -213,9 +231,13 @@ class _Handler(BaseHTTPRequestHandler):
             token_ids += [lp.token_id for lp in message.logprobs]
             text_len += len(message.text)
             if message.text or finish or is_first or (request.logprobs and message.logprobs):
-                offsets = self._text_offsets(token_ids, first_new, text_len) if request.logprobs else ()
+                offsets = (
+                    self._text_offsets(token_ids, first_new, text_len) if request.logprobs else ()
+                )
                 logprobs = oai.logprobs_body(request, message.logprobs, self._token_text, offsets)
-                self._event(oai.chunk_body(request, model, message.text, finish, is_first, logprobs))
+                self._event(
+                    oai.chunk_body(request, model, message.text, finish, is_first, logprobs)
+                )
                 is_first = False
             if finish:
                 if request.include_usage:
@@ -252,7 +274,9 @@ class HttpApi:
         self._server.model_name = model_name
         self.host = host
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="router-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="router-http", daemon=True
+        )
         self._thread.start()
 
     @property

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.pb import common_pb2, generate_pb2
@@ -52,7 +52,9 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _optional(body: dict, name: str, kind: str, low: int = -INT32_MAX - 1, high: int = INT32_MAX) -> Any:
+def _optional(
+    body: dict, name: str, kind: str, low: int = -INT32_MAX - 1, high: int = INT32_MAX
+) -> Any:
     """body[name] checked to be `kind` ("int", "number" or "bool"); None when absent or null."""
     value = body.get(name)
     if value is None:
@@ -119,7 +121,9 @@ def _set_prompt(request: generate_pb2.GenerateRequest, prompt: Any) -> None:
         prompt = prompt[0]
     if isinstance(prompt, str):
         request.text = prompt
-    elif isinstance(prompt, list) and all(_is_int(t) and -INT32_MAX - 1 <= t <= INT32_MAX for t in prompt):
+    elif isinstance(prompt, list) and all(
+        _is_int(t) and -INT32_MAX - 1 <= t <= INT32_MAX for t in prompt
+    ):
         request.token_ids.ids.extend(prompt)
     else:
         raise InvalidRequestError(
@@ -133,7 +137,9 @@ def _message_content(message: Any, i: int) -> str:
     content = message.get("content")
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" for p in content
+    ):
         return "".join(str(p.get("text", "")) for p in content)
     raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
 
@@ -142,8 +148,10 @@ def _set_messages(request: generate_pb2.GenerateRequest, messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list")
     for i, message in enumerate(messages):
-        request.chat.messages.add(role=message["role"] if isinstance(message, dict) else "",
-                                  content=_message_content(message, i))
+        request.chat.messages.add(
+            role=message["role"] if isinstance(message, dict) else "",
+            content=_message_content(message, i),
+        )
 
 
 def parse_request(body: Any, chat: bool) -> OpenAIRequest:
@@ -161,7 +169,8 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         raise InvalidRequestError("stream_options", "must be an object")
     sampling = sampling_from_body(body, chat)
     parsed = OpenAIRequest(
-        generate_pb2.GenerateRequest(sampling=sampling), chat,
+        generate_pb2.GenerateRequest(sampling=sampling),
+        chat,
         stream=bool(_optional(body, "stream", "bool")),
         include_usage=bool(_optional(stream_options, "include_usage", "bool")),
         logprobs=sampling.HasField("logprobs"),
@@ -180,7 +189,8 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
 
 def usage_body(usage: generate_pb2.Usage) -> dict:
     return {
-        "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
@@ -188,15 +198,21 @@ def usage_body(usage: generate_pb2.Usage) -> dict:
 
 def _envelope(req: OpenAIRequest, model: str, chunk: bool) -> dict:
     kind = "chat.completion" if req.chat else "text_completion"
-    return {"id": req.response_id, "object": kind + (".chunk" if chunk and req.chat else ""),
-            "created": req.created, "model": model}
+    return {
+        "id": req.response_id,
+        "object": kind + (".chunk" if chunk and req.chat else ""),
+        "created": req.created,
+        "model": model,
+    }
 
 
 TokenText = Callable[[int], str]
 
 
 def logprobs_body(
-    req: OpenAIRequest, entries: Sequence[common_pb2.TokenLogprob], token_text: TokenText,
+    req: OpenAIRequest,
+    entries: Sequence[common_pb2.TokenLogprob],
+    token_text: TokenText,
     text_offsets: Sequence[int] = (),
 ) -> dict | None:
     """OpenAI's `logprobs` object for these tokens (None when not asked for). Completions:
@@ -205,13 +221,18 @@ def logprobs_body(
     if not req.logprobs:
         return None
     if req.chat:
-        return {"content": [
-            {**_chat_token(token_text(e.token_id), e.logprob),
-             "top_logprobs": [_chat_token(token_text(t.token_id), t.logprob) for t in e.top]}
-            for e in entries
-        ]}
+        return {
+            "content": [
+                {
+                    **_chat_token(token_text(e.token_id), e.logprob),
+                    "top_logprobs": [_chat_token(token_text(t.token_id), t.logprob) for t in e.top],
+                }
+                for e in entries
+            ]
+        }
     return {
-        "tokens": [token_text(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
+        "tokens": [token_text(e.token_id) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": [{token_text(t.token_id): t.logprob for t in e.top} for e in entries],
         "text_offset": list(text_offsets),
     }
@@ -222,20 +243,34 @@ def _chat_token(token: str, logprob: float) -> dict:
 
 
 def response_body(
-    req: OpenAIRequest, model: str, text: str, finish_reason: str, usage: generate_pb2.Usage,
+    req: OpenAIRequest,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage: generate_pb2.Usage,
     logprobs: dict | None = None,
 ) -> dict:
     """The non-streaming reply; `logprobs` as `logprobs_body` renders them."""
     if req.chat:
         message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**_envelope(req, model, chunk=False), "choices": [choice], "usage": usage_body(usage)}
 
 
 def chunk_body(
-    req: OpenAIRequest, model: str, text: str, finish_reason: str | None, first: bool, logprobs: dict | None = None
+    req: OpenAIRequest,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    first: bool,
+    logprobs: dict | None = None,
 ) -> dict:
     """One streamed (SSE) chunk; the chat's first chunk also carries the assistant role."""
     if req.chat:
@@ -259,6 +294,15 @@ def error_body(message: str, kind: str, code: int, param: str | None = None) -> 
 
 
 def models_body(model: str, max_model_len: int) -> dict:
-    return {"object": "list", "data": [
-        {"id": model, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": max_model_len}
-    ]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": 0,
+                "owned_by": "pdserve",
+                "max_model_len": max_model_len,
+            }
+        ],
+    }

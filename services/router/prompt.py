@@ -52,7 +52,9 @@ class LockedTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The prompt text of `messages`, ending with the assistant's turn opener."""
         with self._lock:
-            return self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self._tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
 
     def decode(self, token_ids: list[int], **kwargs: Any) -> str:
         with self._lock:
@@ -126,12 +128,15 @@ def prepare_request(request: generate_pb2.GenerateRequest, model: ModelInfo) -> 
         raise InvalidRequestError("prompt", "must not be empty")
     if len(prompt_ids) >= model.max_model_len:
         raise InvalidRequestError(
-            "prompt", f"{len(prompt_ids)} tokens; must be shorter than max_model_len {model.max_model_len}"
+            "prompt",
+            f"{len(prompt_ids)} tokens; must be shorter than max_model_len {model.max_model_len}",
         )
     check_token_ids(prompt_ids, model.vocab_size, "prompt_token_ids")
     # Workers key requests (and KV handles) by id: a client's own id gets a unique suffix so two
     # clients reusing one id can never collide.
-    request_id = f"{request.request_id}-{uuid.uuid4().hex[:12]}" if request.request_id else uuid.uuid4().hex
+    request_id = (
+        f"{request.request_id}-{uuid.uuid4().hex[:12]}" if request.request_id else uuid.uuid4().hex
+    )
     return PreparedRequest(request_id, prompt_ids, params, stop, request.cache_salt)
 
 
@@ -160,6 +165,7 @@ def chat_messages(chat: generate_pb2.ChatMessages) -> list[dict[str, str]]:
     for i, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
             raise InvalidRequestError(
-                f"chat.messages[{i}].role", f"expected one of {', '.join(CHAT_ROLES)}, got {message.role!r}"
+                f"chat.messages[{i}].role",
+                f"expected one of {', '.join(CHAT_ROLES)}, got {message.role!r}",
             )
     return [{"role": m.role, "content": m.content} for m in chat.messages]

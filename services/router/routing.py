@@ -20,7 +20,12 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from services.common.prefix_index import InMemoryPrefixIndex, PrefixIndex, PrefixIndexUnavailable, make_prefix_index
+from services.common.prefix_index import (
+    InMemoryPrefixIndex,
+    PrefixIndex,
+    PrefixIndexUnavailable,
+    make_prefix_index,
+)
 from services.engine.block_hash import ROOT_HASH, block_hashes, max_cached_blocks
 from services.engine.kv_events import BlockStored
 from services.router.workers import WorkerPool
@@ -36,8 +41,13 @@ class Routing:
     (the approximate in-process mode, without `redis_url`). Thread-safe.
     """
 
-    def __init__(self, pool: WorkerPool, policy: str = "kv", redis_url: str | None = None,
-                 index_ttl_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        policy: str = "kv",
+        redis_url: str | None = None,
+        index_ttl_s: float = 10.0,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing: expected one of {list(POLICIES)}, got {policy!r}")
         if not index_ttl_s > 0:
@@ -46,10 +56,14 @@ class Routing:
         self.policy = policy
         self.redis_url = redis_url
         self.index_ttl_s = index_ttl_s
-        self.index: PrefixIndex | None = None  # made once the workers' model id and block size are known
+        self.index: PrefixIndex | None = (
+            None  # made once the workers' model id and block size are known
+        )
         self.learn = redis_url is None
         self._lock = threading.Lock()
-        self.queued_tokens = {a: 0 for a in pool.prefill}  # prompt tokens in flight per prefill worker
+        self.queued_tokens = {
+            a: 0 for a in pool.prefill
+        }  # prompt tokens in flight per prefill worker
         self.in_flight = {a: 0 for a in pool.decode}  # decode streams per decode worker
         self._index_down = False
         self._turns = {"prefill": 0, "decode": 0}
@@ -72,10 +86,19 @@ class Routing:
         if self.policy == "round_robin":
             address, expected = candidates[0], 0
         else:
-            matched = self._matched_tokens(candidates, prompt_ids, cache_salt) if self.policy == "kv" else {}
+            matched = (
+                self._matched_tokens(candidates, prompt_ids, cache_salt)
+                if self.policy == "kv"
+                else {}
+            )
             with self._lock:
-                address = min(candidates, key=lambda a: (len(prompt_ids) - matched.get(a, 0) + self.queued_tokens[a],
-                                                         self.queued_tokens[a]))
+                address = min(
+                    candidates,
+                    key=lambda a: (
+                        len(prompt_ids) - matched.get(a, 0) + self.queued_tokens[a],
+                        self.queued_tokens[a],
+                    ),
+                )
             expected = matched.get(address, 0)
         with self._lock:
             self.queued_tokens[address] += len(prompt_ids)
@@ -85,7 +108,9 @@ class Routing:
         with self._lock:
             self.queued_tokens[address] -= num_prompt_tokens
 
-    def _matched_tokens(self, candidates: list[str], prompt_ids: Sequence[int], salt: str) -> dict[str, int]:
+    def _matched_tokens(
+        self, candidates: list[str], prompt_ids: Sequence[int], salt: str
+    ) -> dict[str, int]:
         """Prompt tokens each candidate holds cached, by the index; {} without hashing info or
         when the index is unreachable (then routing goes by load)."""
         layout = self.pool.prefill_layout()
@@ -94,11 +119,17 @@ class Routing:
         model_id, block_size = layout
         if self.index is None:
             if self.learn:  # guesses: no heartbeats, no evictions heard; keep a cache's worth each
-                self.index = InMemoryPrefixIndex(float("inf"), max_blocks_per_worker=self.pool.prefill_num_blocks())
+                self.index = InMemoryPrefixIndex(
+                    float("inf"), max_blocks_per_worker=self.pool.prefill_num_blocks()
+                )
             else:
-                self.index = make_prefix_index(self.redis_url, model_id, block_size, self.index_ttl_s)
+                self.index = make_prefix_index(
+                    self.redis_url, model_id, block_size, self.index_ttl_s
+                )
         num_blocks = max_cached_blocks(len(prompt_ids), block_size)  # the engine's own rule
-        hashes = block_hashes(prompt_ids[: num_blocks * block_size], block_size, model_id, salt or None)
+        hashes = block_hashes(
+            prompt_ids[: num_blocks * block_size], block_size, model_id, salt or None
+        )
         try:
             matched = self.index.match(hashes)
             if self._index_down:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2_grpc
-from services.router.admin import RouterAdminServicer
 from services.common.server import RunningService, start_service, wait_for_termination
+from services.router.admin import RouterAdminServicer
 from services.router.cancel import CancelScope
 from services.router.generate import DEFAULT_REQUEST_TIMEOUT_S, GenerateFlow
 from services.router.http_api import HttpApi
@@ -73,10 +73,16 @@ def build_flow(args: argparse.Namespace) -> GenerateFlow:
     """Model info, worker pool and flow from `args` (see `serve`). ValueError names a bad field."""
     model = ModelInfo.load(args.model, getattr(args, "max_model_len", None))
     pool = WorkerPool(args.prefill or [], args.decode or [])
-    routing = Routing(pool, getattr(args, "routing", "kv"), getattr(args, "redis_url", None),
-                      getattr(args, "index_ttl", 10.0))
+    routing = Routing(
+        pool,
+        getattr(args, "routing", "kv"),
+        getattr(args, "redis_url", None),
+        getattr(args, "index_ttl", 10.0),
+    )
     timeout = getattr(args, "request_timeout", None)
-    return GenerateFlow(model, pool, DEFAULT_REQUEST_TIMEOUT_S if timeout is None else timeout, routing)
+    return GenerateFlow(
+        model, pool, DEFAULT_REQUEST_TIMEOUT_S if timeout is None else timeout, routing
+    )
 
 
 def start_router(args: argparse.Namespace) -> RunningRouter:
@@ -88,9 +94,18 @@ def start_router(args: argparse.Namespace) -> RunningRouter:
     flow.pool.start_health_checks()
     servicer = GenerationServicer(flow)
     service = start_service(
-        "router", [(generate_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME),
-                   (worker_pb2_grpc.add_AdminServicer_to_server, RouterAdminServicer(flow.pool), "pdserve.v1.Admin")],
-        args.host, args.port, args.metrics_port,
+        "router",
+        [
+            (generate_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME),
+            (
+                worker_pb2_grpc.add_AdminServicer_to_server,
+                RouterAdminServicer(flow.pool),
+                "pdserve.v1.Admin",
+            ),
+        ],
+        args.host,
+        args.port,
+        args.metrics_port,
         max_workers=ROUTER_MAX_STREAMS,
     )
     http = None

@@ -83,7 +83,9 @@ class RequestStats:
 
     def usage(self) -> generate_pb2.Usage:
         return generate_pb2.Usage(
-            prompt_tokens=self.prompt_tokens, completion_tokens=self.num_tokens, cached_tokens=self.cached_tokens
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.num_tokens,
+            cached_tokens=self.cached_tokens,
         )
 
     def timings(self) -> generate_pb2.Timings:
@@ -94,6 +96,10 @@ class RequestStats:
         if self.decode_start is not None:
             decode = max(0.0, end - self.decode_start - self.kv_transfer)
         return generate_pb2.Timings(
-            ttft=ttft, e2e=end - self.start, tokenize=self.tokenize, prefill=self.prefill,
-            kv_transfer=self.kv_transfer, decode=decode,
+            ttft=ttft,
+            e2e=end - self.start,
+            tokenize=self.tokenize,
+            prefill=self.prefill,
+            kv_transfer=self.kv_transfer,
+            decode=decode,
         )

@@ -35,7 +35,9 @@ class TextStream:
     def __init__(
         self, tokenizer: LockedTokenizer | None, prompt_token_ids: list[int], stop: tuple[str, ...]
     ) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
+        self._detokenizer = (
+            IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
+        )
         self._matcher = StopStringMatcher(stop)
         self.num_tokens = 0
         """Tokens accepted so far (the completion length)."""

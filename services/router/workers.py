@@ -24,15 +24,20 @@ from services.common.errors import ServiceUnavailableError
 from services.common.pb import common_pb2, worker_pb2_grpc
 from services.common.server import GRPC_OPTIONS
 
-
 CAPACITY_TIMEOUT_S = 5.0
 CAPACITY_RETRY_S = 10.0
 # A restarted worker is found within ~2 s, not after gRPC's default backoff of up to 120 s.
-ROUTER_CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 250),
-                          ("grpc.min_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
+ROUTER_CHANNEL_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 HEALTH_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
-HEALTH_FAILURES = 2  # consecutive failed checks before a worker is taken out (one slow answer is not enough)
+HEALTH_FAILURES = (
+    2  # consecutive failed checks before a worker is taken out (one slow answer is not enough)
+)
 logger = logging.getLogger(__name__)
 
 
@@ -59,7 +64,9 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._capacity: dict[str, int] = {}  # address -> tokens of KV one request can hold there
-        self._capacity_retry_at: dict[str, float] = {}  # address -> when to ask again after a failure
+        self._capacity_retry_at: dict[
+            str, float
+        ] = {}  # address -> when to ask again after a failure
         self.unhealthy: set[str] = set()  # addresses taken out of routing
         self._failures: dict[str, int] = {}  # address -> consecutive failed health checks
         self._free_blocks: dict[str, int] = {}  # decode address -> free KV blocks at the last check
@@ -70,11 +77,16 @@ class WorkerPool:
 
     # -- health --------------------------------------------------------------------------------
 
-    def start_health_checks(self, interval_s: float = HEALTH_INTERVAL_S, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+    def start_health_checks(
+        self, interval_s: float = HEALTH_INTERVAL_S, timeout_s: float = HEALTH_TIMEOUT_S
+    ) -> None:
         """Check every worker now, then every `interval_s` seconds on a daemon thread."""
         self._check_all(timeout_s)
         self._health_thread = threading.Thread(
-            target=self._health_loop, args=(interval_s, timeout_s), name="router-health", daemon=True
+            target=self._health_loop,
+            args=(interval_s, timeout_s),
+            name="router-health",
+            daemon=True,
         )
         self._health_thread.start()
 
@@ -87,13 +99,17 @@ class WorkerPool:
             healthy = self._serving(address, timeout_s)
             if healthy and address in self.decode:
                 try:  # for routing only: health is the health service's answer
-                    info = self.decode_stub(address).GetInfo(common_pb2.InfoRequest(), timeout=timeout_s)
+                    info = self.decode_stub(address).GetInfo(
+                        common_pb2.InfoRequest(), timeout=timeout_s
+                    )
                     self._free_blocks[address] = info.num_free_blocks
                 except grpc.RpcError:
                     self._free_blocks.pop(address, None)
             with self._lock:
                 self._failures[address] = 0 if healthy else self._failures.get(address, 0) + 1
-                healthy = healthy or (self._failures[address] < HEALTH_FAILURES and address not in self.unhealthy)
+                healthy = healthy or (
+                    self._failures[address] < HEALTH_FAILURES and address not in self.unhealthy
+                )
                 if healthy and address in self.unhealthy:
                     logger.info("worker %s is healthy again", address)
                     self.unhealthy.discard(address)
@@ -146,7 +162,9 @@ class WorkerPool:
         if self._layout is None:
             for address in self.prefill:
                 try:
-                    info = self.prefill_stub(address).GetInfo(common_pb2.InfoRequest(), timeout=CAPACITY_TIMEOUT_S)
+                    info = self.prefill_stub(address).GetInfo(
+                        common_pb2.InfoRequest(), timeout=CAPACITY_TIMEOUT_S
+                    )
                 except grpc.RpcError:
                     continue
                 self._layout = (info.model_id, info.kv_layout.block_size)
@@ -190,7 +208,9 @@ class WorkerPool:
         if time.monotonic() < self._capacity_retry_at.get(address, 0.0):
             return None
         try:
-            info = self.decode_stub(address).GetInfo(common_pb2.InfoRequest(), timeout=CAPACITY_TIMEOUT_S)
+            info = self.decode_stub(address).GetInfo(
+                common_pb2.InfoRequest(), timeout=CAPACITY_TIMEOUT_S
+            )
         except grpc.RpcError:  # down, or not a pdserve worker: ask again a little later
             self._capacity_retry_at[address] = time.monotonic() + CAPACITY_RETRY_S
             return None

@@ -36,16 +36,21 @@ class Proc:
 def start(*args: str) -> Proc:
     """Run `pdserve ARGS`, wait for its `ready {json}` line (raises RuntimeError if it dies first)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args], stdout=subprocess.PIPE, stderr=None, text=True,
+        [sys.executable, "-m", "services.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=None,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         line = process.stdout.readline()
         if not line:
-            raise RuntimeError(f"pdserve {' '.join(args)} exited with {process.wait()} before ready")
+            raise RuntimeError(
+                f"pdserve {' '.join(args)} exited with {process.wait()} before ready"
+            )
         if line.startswith("ready "):
-            ready = json.loads(line[len("ready "):])
+            ready = json.loads(line[len("ready ") :])
             pids = [s["pid"] for s in ready.get("services", [])] or [ready["pid"]]
             return Proc(process, ready, pids)
     process.kill()
@@ -74,7 +79,7 @@ def scrape(url: str, name: str, role: str) -> float:
     prefix = f'{name}{{role="{role}"}} '
     for line in text.splitlines():
         if line.startswith(prefix):
-            return float(line[len(prefix):])
+            return float(line[len(prefix) :])
     raise KeyError(f"{name} role={role} not in {url}")
 
 
@@ -84,7 +89,11 @@ def generation_stub(address: str) -> generate_pb2_grpc.GenerationStub:
 
 def worker_info(address: str, role: str) -> common_pb2.WorkerInfo:
     channel = grpc.insecure_channel(address)
-    stub = worker_pb2_grpc.PrefillStub(channel) if role == "prefill" else worker_pb2_grpc.DecodeStub(channel)
+    stub = (
+        worker_pb2_grpc.PrefillStub(channel)
+        if role == "prefill"
+        else worker_pb2_grpc.DecodeStub(channel)
+    )
     return stub.GetInfo(common_pb2.InfoRequest(), timeout=10)
 
 

@@ -22,7 +22,9 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def cluster():
-    proc = start("serve", "--port", "0", "--http-port", "0", "--num-prefill", "1", "--num-decode", "1")
+    proc = start(
+        "serve", "--port", "0", "--http-port", "0", "--num-prefill", "1", "--num-decode", "1"
+    )
     yield proc
     assert proc.stop() == 0
     deadline = time.monotonic() + 10
@@ -36,7 +38,10 @@ def _service(cluster, role: str) -> dict:
 
 
 def _free_blocks(cluster) -> tuple[float, float]:
-    return tuple(scrape(_service(cluster, r)["metrics"], "pdserve_kv_blocks_free", r) for r in ("prefill", "decode"))
+    return tuple(
+        scrape(_service(cluster, r)["metrics"], "pdserve_kv_blocks_free", r)
+        for r in ("prefill", "decode")
+    )
 
 
 def _sampling(max_tokens: int, **kwargs) -> common_pb2.SamplingParams:
@@ -45,7 +50,9 @@ def _sampling(max_tokens: int, **kwargs) -> common_pb2.SamplingParams:
 
 def test_ready_line_follows_the_contract(cluster):
     ready = cluster.ready
-    assert ready["router"].startswith("127.0.0.1:") and ready["http"].startswith("http://127.0.0.1:")
+    assert ready["router"].startswith("127.0.0.1:") and ready["http"].startswith(
+        "http://127.0.0.1:"
+    )
     roles = [s["role"] for s in ready["services"]]
     assert roles == ["router", "prefill", "decode"]
     for service in ready["services"]:
@@ -54,22 +61,29 @@ def test_ready_line_follows_the_contract(cluster):
 
 
 @pytest.mark.parametrize("length", [1, 16, 17, 33, 100])
-def test_greedy_through_the_cluster_matches_transformers(cluster, default_model, real_text_ids, length):
-    prompt = real_text_ids[2000 + length: 2000 + 2 * length]
-    tokens, _, finish = generate(generation_stub(cluster.ready["router"]),
-                                 token_ids=generate_pb2.TokenIds(ids=prompt), sampling=_sampling(24))
+def test_greedy_through_the_cluster_matches_transformers(
+    cluster, default_model, real_text_ids, length
+):
+    prompt = real_text_ids[2000 + length : 2000 + 2 * length]
+    tokens, _, finish = generate(
+        generation_stub(cluster.ready["router"]),
+        token_ids=generate_pb2.TokenIds(ids=prompt),
+        sampling=_sampling(24),
+    )
     assert finish == "length"
     assert_equivalent(tokens, hf_greedy(default_model, prompt, 24), f"len={length}")
 
 
 def test_eight_concurrent_requests(cluster, default_model, real_text_ids):
     lengths = [3, 9, 16, 17, 30, 47, 64, 90]
-    prompts = [real_text_ids[300 * i: 300 * i + n] for i, n in enumerate(lengths)]
+    prompts = [real_text_ids[300 * i : 300 * i + n] for i, n in enumerate(lengths)]
     results: dict[int, list[int]] = {}
     stub = generation_stub(cluster.ready["router"])
 
     def run(i: int) -> None:
-        results[i], _, _ = generate(stub, token_ids=generate_pb2.TokenIds(ids=prompts[i]), sampling=_sampling(20))
+        results[i], _, _ = generate(
+            stub, token_ids=generate_pb2.TokenIds(ids=prompts[i]), sampling=_sampling(20)
+        )
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -115,8 +129,12 @@ def test_bad_input_names_the_field_and_leaves_no_trace(cluster, request_kwargs, 
 def test_cancelled_stream_frees_blocks_on_both_workers(cluster, real_text_ids):
     stub = generation_stub(cluster.ready["router"])
     before = _free_blocks(cluster)
-    call = stub.Generate(generate_pb2.GenerateRequest(
-        token_ids=generate_pb2.TokenIds(ids=real_text_ids[:200]), sampling=_sampling(400)), timeout=120)
+    call = stub.Generate(
+        generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=real_text_ids[:200]), sampling=_sampling(400)
+        ),
+        timeout=120,
+    )
     next(call), next(call), next(call)
     assert _free_blocks(cluster)[1] < before[1]  # decode holds the request's blocks now
     call.cancel()
@@ -125,28 +143,60 @@ def test_cancelled_stream_frees_blocks_on_both_workers(cluster, real_text_ids):
 
 def test_generate_cli_answers_paris(cluster):
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "generate", "--url", cluster.ready["router"],
-         "--chat", "What is the capital of France?", "--temperature", "0", "--json"],
-        capture_output=True, text=True, timeout=120, check=True,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "generate",
+            "--url",
+            cluster.ready["router"],
+            "--chat",
+            "What is the capital of France?",
+            "--temperature",
+            "0",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     import json
 
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert "Paris" in result["text"]
-    assert result["finish_reason"] in ("stop", "length") and result["usage"]["completion_tokens"] >= 1
+    assert (
+        result["finish_reason"] in ("stop", "length") and result["usage"]["completion_tokens"] >= 1
+    )
 
 
 def test_zeroed_transferred_block_changes_the_output(cluster, real_text_ids):
     """Decode computes from the KV it received: zeroing one received block changes its tokens."""
     prompt = real_text_ids[5000:5064]
-    clean, _, _ = generate(generation_stub(cluster.ready["router"]), token_ids=generate_pb2.TokenIds(ids=prompt),
-                           sampling=_sampling(16))
+    clean, _, _ = generate(
+        generation_stub(cluster.ready["router"]),
+        token_ids=generate_pb2.TokenIds(ids=prompt),
+        sampling=_sampling(16),
+    )
     prefill = _service(cluster, "prefill")["grpc"]
     decode = start("decode", "--port", "0", "--metrics-port", "0", "--debug-zero-kv-block", "1")
-    router = start("router", "--port", "0", "--metrics-port", "0", "--prefill", prefill, "--decode", decode.ready["grpc"])
+    router = start(
+        "router",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--prefill",
+        prefill,
+        "--decode",
+        decode.ready["grpc"],
+    )
     try:
-        broken, _, _ = generate(generation_stub(router.ready["grpc"]), token_ids=generate_pb2.TokenIds(ids=prompt),
-                                sampling=_sampling(16))
+        broken, _, _ = generate(
+            generation_stub(router.ready["grpc"]),
+            token_ids=generate_pb2.TokenIds(ids=prompt),
+            sampling=_sampling(16),
+        )
     finally:
         router.stop()
         decode.stop()
@@ -154,8 +204,12 @@ def test_zeroed_transferred_block_changes_the_output(cluster, real_text_ids):
 
 
 REQUIRED_METRICS = [
-    "pdserve_kv_blocks_free", "pdserve_kv_blocks_pinned", "pdserve_num_requests_running",
-    "pdserve_num_requests_waiting", "pdserve_time_to_first_token_seconds", "pdserve_time_per_output_token_seconds",
+    "pdserve_kv_blocks_free",
+    "pdserve_kv_blocks_pinned",
+    "pdserve_num_requests_running",
+    "pdserve_num_requests_waiting",
+    "pdserve_time_to_first_token_seconds",
+    "pdserve_time_per_output_token_seconds",
 ]
 
 
@@ -166,14 +220,24 @@ def test_every_service_exports_metrics(cluster):
         text = urllib.request.urlopen(service["metrics"], timeout=5).read().decode()
         for name in REQUIRED_METRICS:
             assert f"# TYPE {name} " in text, (service["role"], name)
-    router = urllib.request.urlopen(_service(cluster, "router")["metrics"], timeout=5).read().decode()
-    count = next(line for line in router.splitlines()
-                 if line.startswith('pdserve_time_to_first_token_seconds_count{role="router"}'))
+    router = (
+        urllib.request.urlopen(_service(cluster, "router")["metrics"], timeout=5).read().decode()
+    )
+    count = next(
+        line
+        for line in router.splitlines()
+        if line.startswith('pdserve_time_to_first_token_seconds_count{role="router"}')
+    )
     assert float(count.split()[-1]) >= 1
     assert 'pdserve_request_generation_tokens_count{role="router"}' in router
-    decode_page = urllib.request.urlopen(_service(cluster, "decode")["metrics"], timeout=5).read().decode()
+    decode_page = (
+        urllib.request.urlopen(_service(cluster, "decode")["metrics"], timeout=5).read().decode()
+    )
     assert 'pdserve_kv_cache_bytes{role="decode",state="free"}' in decode_page
-    assert scrape(_service(cluster, "decode")["metrics"], "pdserve_kv_transfer_bytes_total", "decode") > 0
+    assert (
+        scrape(_service(cluster, "decode")["metrics"], "pdserve_kv_transfer_bytes_total", "decode")
+        > 0
+    )
 
 
 def test_killed_client_frees_blocks_on_both_workers(cluster, real_text_ids):
@@ -181,9 +245,23 @@ def test_killed_client_frees_blocks_on_both_workers(cluster, real_text_ids):
     before = _free_blocks(cluster)
     ids = ",".join(map(str, real_text_ids[:150]))
     client = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "generate", "--url", cluster.ready["router"], "--prompt-ids", ids,
-         "--max-tokens", "1000", "--ignore-eos", "--temperature", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "generate",
+            "--url",
+            cluster.ready["router"],
+            "--prompt-ids",
+            ids,
+            "--max-tokens",
+            "1000",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
     )
     assert _wait_for(lambda: _free_blocks(cluster)[1] < before[1], timeout=60)  # decoding now
     client.kill()

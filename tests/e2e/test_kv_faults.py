@@ -43,19 +43,31 @@ def _metric(proc, name: str, **labels) -> float:
     raise KeyError(f"{name}{want}")
 
 
-def _prefill(proc, request_id: str, prompt: list[int], max_tokens: int = 8) -> worker_pb2.PrefillResponse:
+def _prefill(
+    proc, request_id: str, prompt: list[int], max_tokens: int = 8
+) -> worker_pb2.PrefillResponse:
     stub = worker_pb2_grpc.PrefillStub(grpc.insecure_channel(proc.ready["grpc"]))
-    return stub.Prefill(worker_pb2.PrefillRequest(
-        request_id=request_id, prompt_token_ids=prompt,
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-    ), timeout=60)
+    return stub.Prefill(
+        worker_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+            ),
+        ),
+        timeout=60,
+    )
 
 
-def _decode(proc, request_id: str, prompt: list[int], handle, max_tokens: int = 8, timeout: float = 60) -> list[int]:
+def _decode(
+    proc, request_id: str, prompt: list[int], handle, max_tokens: int = 8, timeout: float = 60
+) -> list[int]:
     """The decode worker's tokens (after the prefill's first one)."""
     stub = worker_pb2_grpc.DecodeStub(grpc.insecure_channel(proc.ready["grpc"]))
     request = worker_pb2.DecodeRequest(
-        request_id=request_id, prompt_token_ids=prompt, kv_handle=handle,
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        kv_handle=handle,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
     )
     return [t for reply in stub.Decode(request, timeout=timeout) for t in reply.token_ids]
@@ -66,7 +78,11 @@ def _generate(router, prompt: list[int], max_tokens: int = 8, timeout: float = 6
         token_ids=generate_pb2.TokenIds(ids=prompt),
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
     )
-    return [t for msg in generation_stub(router.ready["grpc"]).Generate(request, timeout=timeout) for t in msg.token_ids]
+    return [
+        t
+        for msg in generation_stub(router.ready["grpc"]).Generate(request, timeout=timeout)
+        for t in msg.token_ids
+    ]
 
 
 def _pinned(proc) -> int:
@@ -90,7 +106,13 @@ def _stop(*procs) -> None:
 def direct(default_model):
     prefill, decode, decode_block32, decode_bf16 = start_all(
         ["prefill", "--kv-lease-seconds", str(LEASE_S), "--debug-kv-stall-seconds", str(STALL_S)],
-        ["decode", "--num-blocks", "10", "--kv-transfer-timeout", "20"],  # 160 tokens: room for one prompt
+        [
+            "decode",
+            "--num-blocks",
+            "10",
+            "--kv-transfer-timeout",
+            "20",
+        ],  # 160 tokens: room for one prompt
         ["decode", "--block-size", "32"],
         ["decode", "--dtype", "bfloat16"],
     )
@@ -106,13 +128,24 @@ def test_a_request_queued_for_blocks_keeps_its_lease_alive(direct, real_text_ids
     prompts = {"q1": real_text_ids[:100], "q2": real_text_ids[200:300]}  # 7 blocks each, 10 in all
     handles = {rid: _prefill(prefill, rid, p).kv_handle for rid, p in prompts.items()}
     with ThreadPoolExecutor(2) as pool:
-        futures = {rid: pool.submit(_decode, decode, rid, prompts[rid], handles[rid]) for rid in prompts}
+        futures = {
+            rid: pool.submit(_decode, decode, rid, prompts[rid], handles[rid]) for rid in prompts
+        }
         time.sleep(0.5)
-        assert worker_info(decode.ready["grpc"], "decode").num_waiting == 2  # one reserved, one queued
-        results = {rid: [handles[rid].first_token_id, *f.result(timeout=60)] for rid, f in futures.items()}
+        assert (
+            worker_info(decode.ready["grpc"], "decode").num_waiting == 2
+        )  # one reserved, one queued
+        results = {
+            rid: [handles[rid].first_token_id, *f.result(timeout=60)] for rid, f in futures.items()
+        }
     for rid, prompt in prompts.items():
         assert_equivalent(results[rid], hf_greedy(default_model, prompt, 8), context=rid)
-    assert _metric(prefill, "pdserve_kv_transfer_failures_total", role="prefill", reason="lease_expired") == 0
+    assert (
+        _metric(
+            prefill, "pdserve_kv_transfer_failures_total", role="prefill", reason="lease_expired"
+        )
+        == 0
+    )
     _wait(lambda: _pinned(prefill) == 0, 5, "pins released")
     assert _free(decode, "decode") == 10
 
@@ -139,8 +172,11 @@ def test_a_hung_decode_worker_cannot_hold_prefill_blocks_past_the_lease(direct, 
     prompt = real_text_ids[1200:1280]
     handle = _prefill(prefill, "hung", prompt).kv_handle
     errors = []
-    pull = threading.Thread(target=lambda: errors.append(pytest.raises(grpc.RpcError, _decode, decode, "hung",
-                                                                       prompt, handle).value.code()))
+    pull = threading.Thread(
+        target=lambda: errors.append(
+            pytest.raises(grpc.RpcError, _decode, decode, "hung", prompt, handle).value.code()
+        )
+    )
     pull.start()
     time.sleep(1.0)  # the pull is stalled at the prefill worker
     decode.process.send_signal(signal.SIGSTOP)
@@ -160,35 +196,57 @@ def test_decode_killed_mid_transfer_prefill_frees_within_the_lease(direct, real_
     prompt = real_text_ids[400:480]
     handle = _prefill(prefill, "orphan", prompt).kv_handle
     assert _pinned(prefill) == len(handle.block_ids)
-    pull = threading.Thread(target=lambda: pytest.raises(grpc.RpcError, _decode, decode, "orphan", prompt, handle),
-                            daemon=True)
+    pull = threading.Thread(
+        target=lambda: pytest.raises(grpc.RpcError, _decode, decode, "orphan", prompt, handle),
+        daemon=True,
+    )
     pull.start()
     time.sleep(1.0)  # the pull is stalled at the prefill worker
     decode.process.send_signal(signal.SIGKILL)
     killed = time.monotonic()
     _wait(lambda: _pinned(prefill) == 0, LEASE_S + 3, "pinned blocks back to 0")
     assert time.monotonic() - killed <= LEASE_S + 1.0  # the lease runs from the broken pull
-    assert _metric(prefill, "pdserve_kv_transfer_failures_total", role="prefill", reason="lease_expired") == 2
-    assert worker_info(prefill.ready["grpc"], "prefill").num_free_blocks == worker_info(
-        prefill.ready["grpc"], "prefill").num_blocks
+    assert (
+        _metric(
+            prefill, "pdserve_kv_transfer_failures_total", role="prefill", reason="lease_expired"
+        )
+        == 2
+    )
+    assert (
+        worker_info(prefill.ready["grpc"], "prefill").num_free_blocks
+        == worker_info(prefill.ready["grpc"], "prefill").num_blocks
+    )
 
 
-@pytest.mark.parametrize("which, field", [
-    (2, r"block_size: 16 at the source \(prefill\), 32 at the destination \(decode\)"),
-    (3, r"dtype: float32 at the source \(prefill\), bfloat16 at the destination \(decode\)"),
-])
+@pytest.mark.parametrize(
+    "which, field",
+    [
+        (2, r"block_size: 16 at the source \(prefill\), 32 at the destination \(decode\)"),
+        (3, r"dtype: float32 at the source \(prefill\), bfloat16 at the destination \(decode\)"),
+    ],
+)
 def test_a_layout_mismatch_is_refused_on_both_sides(direct, real_text_ids, which, field):
     prefill, mismatched = direct[0], direct[which]
-    refused = _metric(prefill, "pdserve_kv_transfer_failures_total", role="prefill", reason="handshake")
+    refused = _metric(
+        prefill, "pdserve_kv_transfer_failures_total", role="prefill", reason="handshake"
+    )
     prompt = real_text_ids[600:650]
     handle = _prefill(prefill, f"mismatch-{which}", prompt).kv_handle
     with pytest.raises(grpc.RpcError) as err:
         _decode(mismatched, f"mismatch-{which}", prompt, handle)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert re.search(field, err.value.details()), err.value.details()
-    assert _metric(prefill, "pdserve_kv_transfer_failures_total", role="prefill", reason="handshake") == refused + 1
-    assert _metric(mismatched, "pdserve_kv_transfer_failures_total", role="decode", reason="handshake") == 1
-    _wait(lambda: _pinned(prefill) == 0, 1.5, "the refused request's pin released (before its lease)")
+    assert (
+        _metric(prefill, "pdserve_kv_transfer_failures_total", role="prefill", reason="handshake")
+        == refused + 1
+    )
+    assert (
+        _metric(mismatched, "pdserve_kv_transfer_failures_total", role="decode", reason="handshake")
+        == 1
+    )
+    _wait(
+        lambda: _pinned(prefill) == 0, 1.5, "the refused request's pin released (before its lease)"
+    )
     info = worker_info(mismatched.ready["grpc"], "decode")
     assert info.num_free_blocks == info.num_blocks
 
@@ -202,21 +260,37 @@ def stalled_cluster(request, default_model):
     the first request goes to the stalled worker. `request.param`: (number of prefill workers,
     decode --kv-transfer-timeout)."""
     num_prefill, kv_timeout = request.param
-    prefill = start_all(["prefill", "--debug-kv-stall-seconds", "30"], *[["prefill"]] * (num_prefill - 1))
+    prefill = start_all(
+        ["prefill", "--debug-kv-stall-seconds", "30"], *[["prefill"]] * (num_prefill - 1)
+    )
     (decode,) = start_all(["decode", "--kv-transfer-timeout", str(kv_timeout)])
-    router = start("router", "--port", "0", "--routing", "round_robin", "--decode", decode.ready["grpc"],
-                   *[arg for p in prefill for arg in ("--prefill", p.ready["grpc"])])
+    router = start(
+        "router",
+        "--port",
+        "0",
+        "--routing",
+        "round_robin",
+        "--decode",
+        decode.ready["grpc"],
+        *[arg for p in prefill for arg in ("--prefill", p.ready["grpc"])],
+    )
     yield prefill, decode, router
     _stop(router, decode, *prefill)
 
 
 def _kill_when_pulling(decode, victim) -> None:
-    _wait(lambda: worker_info(decode.ready["grpc"], "decode").num_waiting == 1, 30, "a transfer in flight")
+    _wait(
+        lambda: worker_info(decode.ready["grpc"], "decode").num_waiting == 1,
+        30,
+        "a transfer in flight",
+    )
     victim.process.send_signal(signal.SIGKILL)
 
 
 @pytest.mark.parametrize("stalled_cluster", [(2, 20)], indirect=True)
-def test_prefill_killed_mid_transfer_is_retried_on_the_other_worker(stalled_cluster, real_text_ids, default_model):
+def test_prefill_killed_mid_transfer_is_retried_on_the_other_worker(
+    stalled_cluster, real_text_ids, default_model
+):
     (stalled, healthy), decode, router = stalled_cluster
     free_before = _free(decode, "decode")
     prompt = real_text_ids[1000:1090]
@@ -226,13 +300,17 @@ def test_prefill_killed_mid_transfer_is_retried_on_the_other_worker(stalled_clus
         started = time.monotonic()
         tokens = answer.result(timeout=60)
     assert time.monotonic() - started < 15
-    assert_equivalent(tokens, hf_greedy(default_model, prompt, 10), context="retried on the other prefill worker")
+    assert_equivalent(
+        tokens, hf_greedy(default_model, prompt, 10), context="retried on the other prefill worker"
+    )
     assert _free(decode, "decode") == free_before
     _wait(lambda: _pinned(healthy) == 0, 5, "the retried request's pin released")
 
 
 @pytest.mark.parametrize("stalled_cluster", [(1, 4)], indirect=True)
-def test_one_prefill_worker_stall_and_kill_give_clear_errors_in_time(stalled_cluster, real_text_ids):
+def test_one_prefill_worker_stall_and_kill_give_clear_errors_in_time(
+    stalled_cluster, real_text_ids
+):
     ((prefill,), decode, router) = stalled_cluster
     free_before = _free(decode, "decode")
     # A stalled transfer ends with DEADLINE_EXCEEDED after the decode worker's 4 s, not a hang.
@@ -242,7 +320,9 @@ def test_one_prefill_worker_stall_and_kill_give_clear_errors_in_time(stalled_clu
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
     assert "did not arrive within 4 s" in err.value.details()
     assert time.monotonic() - started < 15
-    _wait(lambda: _pinned(prefill) == 0 and _free(decode, "decode") == free_before, 5, "blocks back")
+    _wait(
+        lambda: _pinned(prefill) == 0 and _free(decode, "decode") == free_before, 5, "blocks back"
+    )
     # The only prefill worker dies mid-transfer: UNAVAILABLE well within the 60 s deadline.
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(_generate, router, real_text_ids[3000:3100], 8, 60)
@@ -252,7 +332,9 @@ def test_one_prefill_worker_stall_and_kill_give_clear_errors_in_time(stalled_clu
             answer.result(timeout=60)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
     assert time.monotonic() - killed < 10
-    _wait(lambda: _free(decode, "decode") == free_before, 5, "decode blocks back to their start value")
+    _wait(
+        lambda: _free(decode, "decode") == free_before, 5, "decode blocks back to their start value"
+    )
 
 
 # -- 100 random cancels -------------------------------------------------------------------------
@@ -262,9 +344,18 @@ def test_random_cancels_leave_no_pinned_or_leaked_blocks(default_model, real_tex
     """100 requests cancelled at random points between the start of their prefill and their
     decode admission (each transfer held 0.3 s). With a 60 s lease, every block must be back
     within seconds: through the release paths, not the lease."""
-    prefill, decode = start_all(["prefill", "--debug-kv-stall-seconds", "0.3", "--kv-lease-seconds", "60"],
-                                ["decode"])
-    router = start("router", "--port", "0", "--prefill", prefill.ready["grpc"], "--decode", decode.ready["grpc"])
+    prefill, decode = start_all(
+        ["prefill", "--debug-kv-stall-seconds", "0.3", "--kv-lease-seconds", "60"], ["decode"]
+    )
+    router = start(
+        "router",
+        "--port",
+        "0",
+        "--prefill",
+        prefill.ready["grpc"],
+        "--decode",
+        decode.ready["grpc"],
+    )
     try:
         rng = random.Random(7)
         # How long a request takes to reach decode admission: its span for the cancel points.
@@ -277,10 +368,15 @@ def test_random_cancels_leave_no_pinned_or_leaked_blocks(default_model, real_tex
         def cancelled_request(i: int) -> None:
             start = rng.randrange(0, len(real_text_ids) - 300)
             prompt = real_text_ids[start : start + rng.randrange(20, 260)]
-            call = stub.Generate(generate_pb2.GenerateRequest(
-                token_ids=generate_pb2.TokenIds(ids=prompt),
-                sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-            ), timeout=60)
+            call = stub.Generate(
+                generate_pb2.GenerateRequest(
+                    token_ids=generate_pb2.TokenIds(ids=prompt),
+                    sampling=common_pb2.SamplingParams(
+                        max_tokens=4, temperature=0.0, ignore_eos=True
+                    ),
+                ),
+                timeout=60,
+            )
             timer = threading.Timer(rng.uniform(0, span), call.cancel)
             timer.start()
             try:
@@ -295,11 +391,31 @@ def test_random_cancels_leave_no_pinned_or_leaked_blocks(default_model, real_tex
             list(pool.map(cancelled_request, range(100)))
         assert len(outcomes) == 100 and outcomes.count("CANCELLED") >= 90, outcomes
         for proc, role in ((prefill, "prefill"), (decode, "decode")):
-            _wait(lambda: (lambda i: i.num_free_blocks == i.num_blocks and i.num_pinned_blocks == 0
-                           and i.num_running == 0 and i.num_waiting == 0)(worker_info(proc.ready["grpc"], role)),
-                  10, f"{role}: every block back")
-        assert _metric(prefill, "pdserve_kv_transfer_failures_total", role="prefill", reason="lease_expired") == 0
+            _wait(
+                lambda: (
+                    lambda i: (
+                        i.num_free_blocks == i.num_blocks
+                        and i.num_pinned_blocks == 0
+                        and i.num_running == 0
+                        and i.num_waiting == 0
+                    )
+                )(worker_info(proc.ready["grpc"], role)),
+                10,
+                f"{role}: every block back",
+            )
+        assert (
+            _metric(
+                prefill,
+                "pdserve_kv_transfer_failures_total",
+                role="prefill",
+                reason="lease_expired",
+            )
+            == 0
+        )
         # Still serving, and right.
-        assert_equivalent(_generate(router, real_text_ids[:200], 8), hf_greedy(default_model, real_text_ids[:200], 8))
+        assert_equivalent(
+            _generate(router, real_text_ids[:200], 8),
+            hf_greedy(default_model, real_text_ids[:200], 8),
+        )
     finally:
         _stop(router, prefill, decode)

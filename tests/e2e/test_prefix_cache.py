@@ -17,23 +17,40 @@ from tests.reference import assert_equivalent, hf_greedy
 pytestmark = pytest.mark.e2e
 
 BLOCK = 16
-METRICS = ("pdserve_prefix_cache_queries_total", "pdserve_prefix_cache_hits_total", "pdserve_kv_transfer_bytes_total")
+METRICS = (
+    "pdserve_prefix_cache_queries_total",
+    "pdserve_prefix_cache_hits_total",
+    "pdserve_kv_transfer_bytes_total",
+)
 
 
 @pytest.fixture(scope="module")
 def cluster():
     prefill = start("prefill", "--port", "0")
     decode = start("decode", "--port", "0")
-    router = start("router", "--port", "0", "--prefill", prefill.ready["grpc"], "--decode", decode.ready["grpc"])
-    yield SimpleNamespace(prefill=prefill, decode=decode, router=router, stub=generation_stub(router.ready["grpc"]))
+    router = start(
+        "router",
+        "--port",
+        "0",
+        "--prefill",
+        prefill.ready["grpc"],
+        "--decode",
+        decode.ready["grpc"],
+    )
+    yield SimpleNamespace(
+        prefill=prefill, decode=decode, router=router, stub=generation_stub(router.ready["grpc"])
+    )
     for proc in (router, decode, prefill):
         assert proc.stop() == 0
 
 
-def _generate(stub, prompt: list[int], max_tokens: int, cache_salt: str = "") -> tuple[list[int], int]:
+def _generate(
+    stub, prompt: list[int], max_tokens: int, cache_salt: str = ""
+) -> tuple[list[int], int]:
     """(token ids, usage.cached_tokens) of one greedy request."""
     request = generate_pb2.GenerateRequest(
-        token_ids=generate_pb2.TokenIds(ids=prompt), cache_salt=cache_salt,
+        token_ids=generate_pb2.TokenIds(ids=prompt),
+        cache_salt=cache_salt,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
     )
     token_ids, cached = [], None
@@ -56,11 +73,15 @@ def _metrics(cluster) -> dict[tuple[str, str], float]:
     return values
 
 
-def test_cached_tokens_follow_up_turn_salt_reset_and_exact_metrics(cluster, default_model, real_text_ids):
+def test_cached_tokens_follow_up_turn_salt_reset_and_exact_metrics(
+    cluster, default_model, real_text_ids
+):
     before = _metrics(cluster)
     info = worker_info(cluster.decode.ready["grpc"], "decode")
     layout = info.kv_layout
-    bytes_per_block = 2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim * 4
+    bytes_per_block = (
+        2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim * 4
+    )
     prompt = real_text_ids[500:570]  # 70 tokens: 4 full blocks + 6
 
     # 1. Cold. The decode worker computes 30 tokens: KV for 99 positions, 6 full blocks.
@@ -80,12 +101,26 @@ def test_cached_tokens_follow_up_turn_salt_reset_and_exact_metrics(cluster, defa
     salted, cached = _generate(cluster.stub, prompt, 30, cache_salt="tenant-b")
     assert (salted, cached) == (first, 0)
     # 5. `pdserve reset-prefix-cache` on the router empties both workers' caches.
-    done = subprocess.run([sys.executable, "-m", "services.cli", "reset-prefix-cache", "--url",
-                           cluster.router.ready["grpc"]], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "reset-prefix-cache",
+            "--url",
+            cluster.router.ready["grpc"],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     reply = json.loads(done.stdout)
     assert reply["num_workers"] == 2 and reply["num_hashes_dropped"] > 0
-    assert all(worker_info(getattr(cluster, r).ready["grpc"], r).num_cached_blocks == 0 for r in ("prefill", "decode"))
+    assert all(
+        worker_info(getattr(cluster, r).ready["grpc"], r).num_cached_blocks == 0
+        for r in ("prefill", "decode")
+    )
     after_reset, cached = _generate(cluster.stub, prompt, 30)
     assert (after_reset, cached) == (first, 0)
 
@@ -103,7 +138,9 @@ def test_cached_tokens_follow_up_turn_salt_reset_and_exact_metrics(cluster, defa
     assert delta[("prefill", "pdserve_kv_transfer_bytes_total")] == pulled
 
 
-def test_usage_cached_tokens_rule_for_every_prompt_length_1_to_80(cluster, default_model, real_text_ids):
+def test_usage_cached_tokens_rule_for_every_prompt_length_1_to_80(
+    cluster, default_model, real_text_ids
+):
     """Through the public API: each length sent twice; the second send reports
     (n - 1) // 16 * 16 cached tokens (the first none), and both first tokens meet the
     equivalence rule against transformers."""

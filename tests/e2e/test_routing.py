@@ -23,12 +23,38 @@ BLOCK = 16
 
 def _start_cluster(redis_url: str):
     # Chunks of 512 tokens: a long prefill spans several steps, so GetInfo sees it running.
-    prefill = [start("prefill", "--port", "0", "--redis-url", redis_url, "--index-ttl", "3", "--drain-timeout", "20",
-                     "--max-num-batched-tokens", "512") for _ in range(2)]
+    prefill = [
+        start(
+            "prefill",
+            "--port",
+            "0",
+            "--redis-url",
+            redis_url,
+            "--index-ttl",
+            "3",
+            "--drain-timeout",
+            "20",
+            "--max-num-batched-tokens",
+            "512",
+        )
+        for _ in range(2)
+    ]
     decode = start("decode", "--port", "0", "--drain-timeout", "20")
-    router = start("router", "--port", "0", "--redis-url", redis_url, "--index-ttl", "3",
-                   *[arg for p in prefill for arg in ("--prefill", p.ready["grpc"])], "--decode", decode.ready["grpc"])
-    return SimpleNamespace(prefill=prefill, decode=decode, router=router, stub=generation_stub(router.ready["grpc"]))
+    router = start(
+        "router",
+        "--port",
+        "0",
+        "--redis-url",
+        redis_url,
+        "--index-ttl",
+        "3",
+        *[arg for p in prefill for arg in ("--prefill", p.ready["grpc"])],
+        "--decode",
+        decode.ready["grpc"],
+    )
+    return SimpleNamespace(
+        prefill=prefill, decode=decode, router=router, stub=generation_stub(router.ready["grpc"])
+    )
 
 
 def _stop(cluster) -> None:
@@ -52,7 +78,9 @@ def _generate(stub, prompt: list[int], max_tokens: int = 2) -> tuple[list[int], 
 
 def _computed(cluster) -> list[int]:
     """Prompt tokens each prefill worker has run through its model so far."""
-    return [worker_info(p.ready["grpc"], "prefill").num_prompt_tokens_computed for p in cluster.prefill]
+    return [
+        worker_info(p.ready["grpc"], "prefill").num_prompt_tokens_computed for p in cluster.prefill
+    ]
 
 
 def _wait(predicate, timeout: float) -> float:
@@ -88,11 +116,16 @@ def test_shared_prefixes_go_to_the_worker_that_holds_them(cluster, real_text_ids
             _, cached, _ = _generate(cluster.stub, prefix + [200 + 10 * round_ + i, 7])
             after = _computed(cluster)
             assert cached == 20 * BLOCK, (i, round_)
-            assert after[owner[i]] - before[owner[i]] == 2 and after[1 - owner[i]] == before[1 - owner[i]]
+            assert (
+                after[owner[i]] - before[owner[i]] == 2
+                and after[1 - owner[i]] == before[1 - owner[i]]
+            )
 
     # The owner of prefix 0 forgets it: routing follows the change.
     channel = grpc.insecure_channel(cluster.prefill[owner[0]].ready["grpc"])
-    worker_pb2_grpc.AdminStub(channel).ResetPrefixCache(worker_pb2.ResetPrefixCacheRequest(), timeout=30)
+    worker_pb2_grpc.AdminStub(channel).ResetPrefixCache(
+        worker_pb2.ResetPrefixCacheRequest(), timeout=30
+    )
     channel.close()
     time.sleep(0.5)
     _, cached, _ = _generate(cluster.stub, prefixes[0] + [300])
@@ -127,7 +160,9 @@ def test_redis_killed_and_restarted_mid_run_loses_no_request(cluster, redis_serv
 
 def _healthy(router, address: str) -> float:
     text = urllib.request.urlopen(router.ready["metrics"], timeout=5).read().decode()
-    match = re.search(rf'pdserve_worker_healthy{{role="router",worker="{re.escape(address)}"}} (\S+)', text)
+    match = re.search(
+        rf'pdserve_worker_healthy{{role="router",worker="{re.escape(address)}"}} (\S+)', text
+    )
     return float(match.group(1)) if match else -1.0
 
 
@@ -154,6 +189,8 @@ def test_sigkill_stops_routing_within_5s_and_sigterm_drains(redis_server, real_t
             tokens, _, finish = stream.result(timeout=120)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert (len(tokens), finish) == (60, "length")
-        assert survivor.process.wait(timeout=60) == 0 and cluster.decode.process.wait(timeout=60) == 0
+        assert (
+            survivor.process.wait(timeout=60) == 0 and cluster.decode.process.wait(timeout=60) == 0
+        )
     finally:
         _stop(cluster)

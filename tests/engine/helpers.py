@@ -11,7 +11,9 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def make_engine(model: str, *, poison: bool = True, kv_transfer=None, **config) -> Engine:
     """An engine with a shuffled free list and (by default) every free block filled with NaN,
     so a read outside a request's own blocks turns its output into garbage."""
-    engine = Engine(EngineConfig(model=model, shuffle_free_blocks=True, **{"seed": 0, **config}), kv_transfer)
+    engine = Engine(
+        EngineConfig(model=model, shuffle_free_blocks=True, **{"seed": 0, **config}), kv_transfer
+    )
     if poison:
         engine.kv_cache.kv.fill_(float("nan"))
     return engine

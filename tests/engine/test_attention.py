@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.attention import AttentionMetadata, CPUPagedBackend, TorchSDPABackend, get_attention_backend
+from services.engine.attention import (
+    AttentionMetadata,
+    CPUPagedBackend,
+    TorchSDPABackend,
+    get_attention_backend,
+)
 from services.engine.kernels import load_paged_attention
 
 needs_kernel = pytest.mark.skipif(load_paged_attention() is None, reason="no C++ toolchain here")
@@ -16,7 +21,9 @@ def _case(dtype, num_heads, num_kv_heads, block_size, context_lens, head_dim=64,
     requests' blocks scattered, plus the dense reference output."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in context_lens) + 7
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    k_cache = torch.full(
+        (num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype
+    )
     v_cache = k_cache.clone()
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, expected = [], []
@@ -30,7 +37,9 @@ def _case(dtype, num_heads, num_kv_heads, block_size, context_lens, head_dim=64,
             k_cache[table[p // block_size], p % block_size] = k[p]
             v_cache[table[p // block_size], p % block_size] = v[p]
         group = num_heads // num_kv_heads
-        kf, vf = (t.double().repeat_interleave(group, dim=1) for t in (k, v))  # [n, heads, head_dim]
+        kf, vf = (
+            t.double().repeat_interleave(group, dim=1) for t in (k, v)
+        )  # [n, heads, head_dim]
         scores = torch.einsum("hd,nhd->hn", q[b].double(), kf) * head_dim**-0.5
         expected.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), vf))
     return q, k_cache, v_cache, tables, torch.stack(expected)
@@ -40,8 +49,12 @@ def _meta(tables, context_lens, block_size):
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])
     return AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long), prefills=(), num_prefill_tokens=0,
-        decode_block_tables=padded, decode_context_lens=torch.tensor(context_lens), block_size=block_size,
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        prefills=(),
+        num_prefill_tokens=0,
+        decode_block_tables=padded,
+        decode_context_lens=torch.tensor(context_lens),
+        block_size=block_size,
     )
 
 
@@ -54,25 +67,41 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_kernel_matches_dense_attention(dtype, num_heads, num_kv_heads, block_size):
     context_lens = [1, 15, 16, 17, 40, 3]
-    q, k_cache, v_cache, tables, expected = _case(dtype, num_heads, num_kv_heads, block_size, context_lens)
+    q, k_cache, v_cache, tables, expected = _case(
+        dtype, num_heads, num_kv_heads, block_size, context_lens
+    )
     out = torch.empty_like(q)
     load_paged_attention().paged_decode_attention(
-        out, q, k_cache, v_cache, _meta(tables, context_lens, block_size).decode_block_tables,
-        torch.tensor(context_lens), 64**-0.5,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        _meta(tables, context_lens, block_size).decode_block_tables,
+        torch.tensor(context_lens),
+        64**-0.5,
     )
     assert not out.isnan().any(), "the kernel read a position outside a request's context"
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_dim", [32, 128, 80])  # 64 and 128 have unrolled paths, the rest a generic one
+@pytest.mark.parametrize(
+    "head_dim", [32, 128, 80]
+)  # 64 and 128 have unrolled paths, the rest a generic one
 def test_kernel_handles_every_head_dim(head_dim):
     context_lens = [1, 16, 33]
-    q, k_cache, v_cache, tables, expected = _case(torch.float32, 6, 2, 16, context_lens, head_dim=head_dim)
+    q, k_cache, v_cache, tables, expected = _case(
+        torch.float32, 6, 2, 16, context_lens, head_dim=head_dim
+    )
     out = torch.empty_like(q)
     load_paged_attention().paged_decode_attention(
-        out, q, k_cache, v_cache, _meta(tables, context_lens, 16).decode_block_tables,
-        torch.tensor(context_lens), head_dim**-0.5,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        _meta(tables, context_lens, 16).decode_block_tables,
+        torch.tensor(context_lens),
+        head_dim**-0.5,
     )
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -86,7 +115,9 @@ def test_torch_path_matches_dense_attention(dtype):
     owned = sorted({b for t in tables for b in t})
     for cache in (k_cache, v_cache):
         cache[owned] = torch.nan_to_num(cache[owned], nan=0.0)
-    out = TorchSDPABackend()._decode(q, k_cache, v_cache, _meta(tables, context_lens, block_size), 64**-0.5)
+    out = TorchSDPABackend()._decode(
+        q, k_cache, v_cache, _meta(tables, context_lens, block_size), 64**-0.5
+    )
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -130,4 +161,12 @@ def test_kernel_refuses_out_of_range_inputs():
     with pytest.raises(RuntimeError, match="context length"):
         kernel(out, q, k_cache, v_cache, torch.tensor([tables[0]]), torch.tensor([17]), 0.1)
     with pytest.raises(RuntimeError, match="dtype"):
-        kernel(out, q, k_cache.bfloat16(), v_cache.bfloat16(), torch.tensor([tables[0]]), torch.tensor([5]), 0.1)
+        kernel(
+            out,
+            q,
+            k_cache.bfloat16(),
+            v_cache.bfloat16(),
+            torch.tensor([tables[0]]),
+            torch.tensor([5]),
+            0.1,
+        )

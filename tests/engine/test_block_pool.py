@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from services.engine.block_pool import BlockPool
 from services.engine.errors import ResourceExhaustedError
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from services.engine.kv_cache import KVCache, KVCacheSpec, slot_mapping
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 
@@ -53,7 +53,9 @@ def test_random_allocate_free_sequences_keep_integrity(ops):
 
 
 def test_num_blocks_from_memory_budget():
-    spec = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
+    spec = KVCacheSpec(
+        num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32
+    )
     assert spec.bytes_per_block == 2 * 30 * 16 * 3 * 64 * 4
     assert spec.num_blocks_for(1 << 30) == (1 << 30) // spec.bytes_per_block
 
@@ -68,7 +70,11 @@ def test_slot_mapping_and_block_growth():
     request.num_computed_tokens = 8
     assert cache.allocate_slots(request, 1) and len(request.block_table) == 3
     table = request.block_table
-    assert slot_mapping(table, 3, 6, 4).tolist() == [table[0] * 4 + 3, table[1] * 4, table[1] * 4 + 1]
+    assert slot_mapping(table, 3, 6, 4).tolist() == [
+        table[0] * 4 + 3,
+        table[1] * 4,
+        table[1] * 4 + 1,
+    ]
     assert not cache.allocate_slots(request, 36)  # needs 8 more blocks, 7 are free: nothing taken
     assert len(request.block_table) == 3
     cache.free(request)
@@ -85,6 +91,7 @@ def test_read_write_blocks_roundtrip():
 
 
 # -- the prefix cache's states: free, cached (hash, unreferenced), used ------------------------
+
 
 def _hashes(n: int, tag: bytes = b"") -> list[bytes]:
     return [bytes([i]) * 31 + tag[:1].ljust(1, b"\0") for i in range(n)]
@@ -150,7 +157,9 @@ def test_reset_prefix_cache_forgets_every_hash():
     used = pool.allocate(1)
     pool.cache_blocks(used, [b"u" * 32], b"root", [1, 2], 2)
     assert pool.reset_prefix_cache() == 3
-    assert pool.lookup(hashes) == [] and pool.lookup([b"u" * 32]) == [] and pool.num_cached_blocks == 0
+    assert (
+        pool.lookup(hashes) == [] and pool.lookup([b"u" * 32]) == [] and pool.num_cached_blocks == 0
+    )
     assert isinstance(pool.events[-1], AllBlocksCleared)
     pool.free(used)
     assert pool.num_free_blocks == 4

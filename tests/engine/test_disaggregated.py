@@ -8,7 +8,7 @@ import random
 import pytest
 
 from services.engine import EngineRole, SamplingParams
-from services.engine.errors import KVHandshakeError, InvalidRequestError
+from services.engine.errors import InvalidRequestError, KVHandshakeError
 from services.engine.kv_transfer import InMemoryKVTransfer, TransferStatus
 from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 
@@ -17,8 +17,12 @@ LENS = [1, 15, 16, 17, 33, 100]
 
 def _pair(model: str, block_size: int = 16):
     transfer = InMemoryKVTransfer()
-    prefill = make_engine(model, role=EngineRole.PREFILL, block_size=block_size, num_blocks=512, kv_transfer=transfer)
-    decode = make_engine(model, role=EngineRole.DECODE, block_size=block_size, num_blocks=512, kv_transfer=transfer)
+    prefill = make_engine(
+        model, role=EngineRole.PREFILL, block_size=block_size, num_blocks=512, kv_transfer=transfer
+    )
+    decode = make_engine(
+        model, role=EngineRole.DECODE, block_size=block_size, num_blocks=512, kv_transfer=transfer
+    )
     return prefill, decode, transfer
 
 
@@ -35,7 +39,9 @@ def _disaggregated(prefill, decode, requests):
         prefill.add_request(prompt, params, request_id=rid)
     while prefill.has_unfinished_requests():
         for out in prefill.step():
-            assert out.finished and out.finish_reason == "prefilled" and len(out.output_token_ids) == 1
+            assert (
+                out.finished and out.finish_reason == "prefilled" and len(out.output_token_ids) == 1
+            )
             handles[out.request_id] = out.kv_handle
         prefill.check_integrity()
     assert prefill.kv_cache.pool.num_used_blocks == sum(len(h.block_ids) for h in handles.values())
@@ -55,10 +61,19 @@ def _disaggregated(prefill, decode, requests):
 def test_prefill_plus_decode_equals_both(tiny_model, block_size):
     rng = random.Random(7)
     requests = {
-        f"r{n}": ([rng.randrange(2, 512) for _ in range(n)], SamplingParams(max_tokens=12, **GREEDY)) for n in LENS
+        f"r{n}": (
+            [rng.randrange(2, 512) for _ in range(n)],
+            SamplingParams(max_tokens=12, **GREEDY),
+        )
+        for n in LENS
     }
-    requests["sampled"] = ([5, 6, 7, 8, 9], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3))
-    both_outs, _ = run_to_completion(make_engine(tiny_model, block_size=block_size, num_blocks=512), requests)
+    requests["sampled"] = (
+        [5, 6, 7, 8, 9],
+        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3),
+    )
+    both_outs, _ = run_to_completion(
+        make_engine(tiny_model, block_size=block_size, num_blocks=512), requests
+    )
     prefill, decode, transfer = _pair(tiny_model, block_size)
     disagg_outs, steps, handles = _disaggregated(prefill, decode, requests)
     assert disagg_outs == both_outs
@@ -106,9 +121,15 @@ def test_decode_finishes_at_admission_when_first_token_ends_it(tiny_llama):
     prefill, decode, transfer = _pair(tiny_llama)
     prefill.add_request([3, 4, 5], SamplingParams(max_tokens=5, **GREEDY), request_id="a")
     (out,) = prefill.step()
-    decode.add_request([3, 4, 5], SamplingParams(max_tokens=1, **GREEDY), request_id="a", kv_handle=out.kv_handle)
+    decode.add_request(
+        [3, 4, 5], SamplingParams(max_tokens=1, **GREEDY), request_id="a", kv_handle=out.kv_handle
+    )
     (done,) = decode.step()
-    assert done.finished and done.finish_reason == "length" and done.output_token_ids == out.output_token_ids
+    assert (
+        done.finished
+        and done.finish_reason == "length"
+        and done.output_token_ids == out.output_token_ids
+    )
     assert decode.last_forward_tokens == {}
     assert transfer.status("a") == TransferStatus.COMPLETED
     assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
@@ -122,8 +143,18 @@ def test_abort_pinned_request_frees_blocks_and_revokes(tiny_llama):
     prefill.abort("a")
     assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
     assert transfer.status("a") == TransferStatus.REVOKED
-    decode.add_request(list(range(2, 40)), SamplingParams(max_tokens=4, **GREEDY), request_id="a", kv_handle=out.kv_handle)
-    decode.add_request([7, 8], SamplingParams(max_tokens=4, **GREEDY), request_id="b", kv_handle=_prefilled(prefill, "b"))
+    decode.add_request(
+        list(range(2, 40)),
+        SamplingParams(max_tokens=4, **GREEDY),
+        request_id="a",
+        kv_handle=out.kv_handle,
+    )
+    decode.add_request(
+        [7, 8],
+        SamplingParams(max_tokens=4, **GREEDY),
+        request_id="b",
+        kv_handle=_prefilled(prefill, "b"),
+    )
     outs = {o.request_id: o for o in decode.step()}
     assert outs["a"].finished and outs["a"].finish_reason == "error"  # its pull failed
     assert not outs["b"].finished and decode.last_forward_tokens == {"b": 1}  # the other goes on
@@ -141,7 +172,12 @@ def test_abort_on_decode_before_admission_unpins_the_source(tiny_llama):
     prefill, decode, transfer = _pair(tiny_llama)
     prefill.add_request(list(range(2, 40)), SamplingParams(max_tokens=4, **GREEDY), request_id="a")
     (out,) = prefill.step()
-    decode.add_request(list(range(2, 40)), SamplingParams(max_tokens=4, **GREEDY), request_id="a", kv_handle=out.kv_handle)
+    decode.add_request(
+        list(range(2, 40)),
+        SamplingParams(max_tokens=4, **GREEDY),
+        request_id="a",
+        kv_handle=out.kv_handle,
+    )
     decode.abort("a")
     assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
     assert decode.kv_cache.pool.num_free_blocks == decode.kv_cache.num_blocks
@@ -154,7 +190,10 @@ def test_handle_must_match_the_request(tiny_llama):
     cases = [
         (dict(request_id="other"), "is for request 'a'"),
         (dict(prompt=list(range(2, 31))), "num_tokens"),
-        (dict(kv_handle=dataclasses.replace(handle, block_ids=handle.block_ids[:1])), "blocks cannot hold"),
+        (
+            dict(kv_handle=dataclasses.replace(handle, block_ids=handle.block_ids[:1])),
+            "blocks cannot hold",
+        ),
         (dict(kv_handle=dataclasses.replace(handle, first_token_id=10**6)), "first_token_id"),
     ]
     for overrides, message in cases:
@@ -169,13 +208,26 @@ def test_dtype_and_block_size_mismatch_is_refused_by_the_handshake(tiny_llama):
     reserved, with an error naming each differing field; the source unpins."""
     transfer = InMemoryKVTransfer()
     prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=64, kv_transfer=transfer)
-    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=64, kv_transfer=transfer, dtype="bfloat16",
-                         block_size=8)
+    decode = make_engine(
+        tiny_llama,
+        role=EngineRole.DECODE,
+        num_blocks=64,
+        kv_transfer=transfer,
+        dtype="bfloat16",
+        block_size=8,
+    )
     handle = _prefilled(prefill, "a", prompt=range(2, 30))
-    with pytest.raises(KVHandshakeError, match=r"dtype: float32 at the source \(prefill\), bfloat16 at the "
-                                               r"destination \(decode\); block_size: 16 at the source"):
-        decode.add_request(list(range(2, 30)), SamplingParams(max_tokens=4, **GREEDY), request_id="a",
-                           kv_handle=handle)
+    with pytest.raises(
+        KVHandshakeError,
+        match=r"dtype: float32 at the source \(prefill\), bfloat16 at the "
+        r"destination \(decode\); block_size: 16 at the source",
+    ):
+        decode.add_request(
+            list(range(2, 30)),
+            SamplingParams(max_tokens=4, **GREEDY),
+            request_id="a",
+            kv_handle=handle,
+        )
     assert not decode.requests and decode.kv_cache.pool.num_free_blocks == 64
     assert prefill.kv_cache.pool.num_free_blocks == 64  # the source was told to unpin
     decode.check_integrity()
@@ -184,7 +236,9 @@ def test_dtype_and_block_size_mismatch_is_refused_by_the_handshake(tiny_llama):
 def test_source_serves_only_the_pinned_requests_own_blocks(tiny_llama):
     prefill, decode, transfer = _pair(tiny_llama)
     handle = _prefilled(prefill, "a", prompt=range(2, 30))
-    forged = dataclasses.replace(handle, block_ids=tuple(b for b in range(2) if b not in handle.block_ids) or (999,))
+    forged = dataclasses.replace(
+        handle, block_ids=tuple(b for b in range(2) if b not in handle.block_ids) or (999,)
+    )
     with pytest.raises(KeyError):
         prefill.read_kv(forged)
     assert prefill.read_kv(handle).shape[2] == len(handle.block_ids)

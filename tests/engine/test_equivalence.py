@@ -24,8 +24,12 @@ def test_tiny_models_alone(tiny_model, block_size, max_tokens):
     """Each prompt length alone, on llama and qwen2, for every block size."""
     engine = make_engine(tiny_model, block_size=block_size, num_blocks=4096 // block_size)
     for i, prompt in enumerate(_prompts(PROMPT_LENS, 512, seed=block_size)):
-        outs, _ = run_to_completion(engine, {f"r{i}": (prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))})
-        assert_equivalent(outs[f"r{i}"], hf_greedy(tiny_model, prompt, max_tokens), f"len={len(prompt)}")
+        outs, _ = run_to_completion(
+            engine, {f"r{i}": (prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))}
+        )
+        assert_equivalent(
+            outs[f"r{i}"], hf_greedy(tiny_model, prompt, max_tokens), f"len={len(prompt)}"
+        )
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
@@ -35,7 +39,8 @@ def test_tiny_models_batched_mixed_lengths(tiny_model, block_size):
     prompts = _prompts(PROMPT_LENS, 512, seed=100 + block_size)
     budgets = [32, 7, 32, 12, 32, 3, 20, 32]
     requests = {
-        f"r{i}": (p, SamplingParams(max_tokens=m, **GREEDY)) for i, (p, m) in enumerate(zip(prompts, budgets))
+        f"r{i}": (p, SamplingParams(max_tokens=m, **GREEDY))
+        for i, (p, m) in enumerate(zip(prompts, budgets))
     }
     outs, steps = run_to_completion(engine, requests)
     batch_sizes = [len(step) for step in steps]
@@ -50,8 +55,11 @@ def test_tiny_models_batched_mixed_lengths(tiny_model, block_size):
 def test_default_model(default_model, real_text_ids, max_tokens):
     """SmolLM2-135M-Instruct: every prompt length, all in one batch, against transformers."""
     engine = make_engine(default_model, num_blocks=256)
-    prompts = [real_text_ids[1000 * i: 1000 * i + n] for i, n in enumerate(PROMPT_LENS)]
-    requests = {f"r{n}": (p, SamplingParams(max_tokens=max_tokens, **GREEDY)) for n, p in zip(PROMPT_LENS, prompts)}
+    prompts = [real_text_ids[1000 * i : 1000 * i + n] for i, n in enumerate(PROMPT_LENS)]
+    requests = {
+        f"r{n}": (p, SamplingParams(max_tokens=max_tokens, **GREEDY))
+        for n, p in zip(PROMPT_LENS, prompts)
+    }
     outs, steps = run_to_completion(engine, requests)
     assert len(steps[0]) == len(PROMPT_LENS)
     for rid, (prompt, _) in requests.items():
@@ -62,7 +70,9 @@ def test_default_model_chunked_prefill(default_model, real_text_ids):
     """A prompt split into chunks by the token budget gives the same tokens."""
     engine = make_engine(default_model, num_blocks=256, max_num_batched_tokens=40)
     prompt = real_text_ids[500:600]
-    outs, steps = run_to_completion(engine, {"r": (prompt, SamplingParams(max_tokens=16, **GREEDY))})
+    outs, steps = run_to_completion(
+        engine, {"r": (prompt, SamplingParams(max_tokens=16, **GREEDY))}
+    )
     assert [step["r"] for step in steps[:4]] == [40, 40, 20, 1]
     assert engine.scheduler.num_prompt_tokens_computed == 100
     assert_equivalent(outs["r"], hf_greedy(default_model, prompt, 16), "chunked")

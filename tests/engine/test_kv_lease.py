@@ -3,9 +3,9 @@ property test that no pinned block is ever leaked or freed twice."""
 
 from __future__ import annotations
 
-import pytest
 import itertools
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -85,7 +85,11 @@ def test_engine_frees_a_lapsed_pin_and_ignores_its_late_completion(tiny_llama):
 
 
 def _prefill(engine, request_id: str, num_tokens: int):
-    engine.add_request(list(range(3, 3 + num_tokens)), SamplingParams(max_tokens=4, **GREEDY), request_id=request_id)
+    engine.add_request(
+        list(range(3, 3 + num_tokens)),
+        SamplingParams(max_tokens=4, **GREEDY),
+        request_id=request_id,
+    )
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.request_id == request_id:
@@ -94,8 +98,10 @@ def _prefill(engine, request_id: str, num_tokens: int):
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["prefill", "pull", "renew", "complete", "abort", "tick", "expire"]),
-              st.integers(0, 7)),
+    st.tuples(
+        st.sampled_from(["prefill", "pull", "renew", "complete", "abort", "tick", "expire"]),
+        st.integers(0, 7),
+    ),
     max_size=40,
 )
 
@@ -105,7 +111,9 @@ _EXAMPLES = itertools.count()
 
 # One engine serves every example (loading one per example is slow); each example uses fresh
 # request ids and ends with every lease expired, so none sees another's state.
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ops=OPS)
 def test_random_transfer_messages_never_leak_or_double_free(tiny_llama_engine_pair, ops):
     """Any order of prefills, pulls, renewals, (late, duplicate) completions, aborts, clock ticks
@@ -133,7 +141,11 @@ def test_random_transfer_messages_never_leak_or_double_free(tiny_llama_engine_pa
             clock.now += n
         elif op == "expire":
             transfer.expire_leases()
-        live = {r for r in handles if transfer.status(r) in (TransferStatus.PUBLISHED, TransferStatus.PULLING)}
+        live = {
+            r
+            for r in handles
+            if transfer.status(r) in (TransferStatus.PUBLISHED, TransferStatus.PULLING)
+        }
         assert live == set(prefill.pinned)
         prefill.check_integrity()
     clock.now += 1000
@@ -149,8 +161,13 @@ def tiny_llama_engine_pair(tiny_llama):
     clock = FakeClock()
     transfer = InMemoryKVTransfer(lease_s=6.0)
     transfer.leases.clock = clock
-    engine = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=64, kv_transfer=transfer,
-                         enable_prefix_caching=False)
+    engine = make_engine(
+        tiny_llama,
+        role=EngineRole.PREFILL,
+        num_blocks=64,
+        kv_transfer=transfer,
+        enable_prefix_caching=False,
+    )
     return engine, transfer, clock
 
 

@@ -29,8 +29,14 @@ def pair(tiny_llama):
     for blocks, 5 s to get the KV, on a fake clock."""
     transfer = GatedTransfer()
     prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=128, kv_transfer=transfer)
-    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=10, kv_transfer=transfer,
-                         max_num_waiting_for_kv=2, kv_transfer_timeout_s=5.0)
+    decode = make_engine(
+        tiny_llama,
+        role=EngineRole.DECODE,
+        num_blocks=10,
+        kv_transfer=transfer,
+        max_num_waiting_for_kv=2,
+        kv_transfer_timeout_s=5.0,
+    )
     clock = FakeClock()
     decode.scheduler.clock = clock
     return prefill, decode, transfer, clock
@@ -88,10 +94,14 @@ def test_kv_that_never_arrives_times_out_and_frees_everything(pair):
     assert decode.has_unfinished_requests()
     outs = decode.step()
     assert {(o.request_id, o.finish_reason) for o in outs} == {
-        ("slow", "kv_timeout"), ("slow2", "kv_timeout"), ("queued", "kv_timeout")
+        ("slow", "kv_timeout"),
+        ("slow2", "kv_timeout"),
+        ("queued", "kv_timeout"),
     }
     assert decode.kv_cache.pool.num_free_blocks == 10 and not decode.requests
-    assert transfer.status(handle.request_id) == TransferStatus.COMPLETED  # the source was told to unpin
+    assert (
+        transfer.status(handle.request_id) == TransferStatus.COMPLETED
+    )  # the source was told to unpin
     assert prefill.num_pinned_blocks == 0
     decode.check_integrity()
 
@@ -102,12 +112,17 @@ def test_reserved_request_hits_its_own_prefix_cache_and_pulls_only_the_rest(pair
     _reserved(decode)
     transfer.arrived.add("first")
     first = _run(decode)["first"]
-    handle = _handoff(prefill, decode, "again", start=7)  # same 60-token prompt: 3 full blocks cached here
+    handle = _handoff(
+        prefill, decode, "again", start=7
+    )  # same 60-token prompt: 3 full blocks cached here
     assert _reserved(decode) == [("again", 3)]
     pulled = transfer.bytes_transferred
     transfer.arrived.add("again")
     assert _run(decode)["again"] == first
-    assert transfer.bytes_transferred - pulled == (len(handle.block_ids) - 3) * decode.kv_cache.spec.bytes_per_block
+    assert (
+        transfer.bytes_transferred - pulled
+        == (len(handle.block_ids) - 3) * decode.kv_cache.spec.bytes_per_block
+    )
 
 
 def _reserved(engine, **kwargs) -> list[tuple[str, int]]:
@@ -145,7 +160,9 @@ def _both(model: str, rid: str) -> list[int]:
 
     start = 3 + 100 * (sum(map(ord, rid)) % 4)
     both = make_engine(model, num_blocks=64)
-    out, _ = run_to_completion(both, {rid: (list(range(start, start + 60)), SamplingParams(max_tokens=6, **GREEDY))})
+    out, _ = run_to_completion(
+        both, {rid: (list(range(start, start + 60)), SamplingParams(max_tokens=6, **GREEDY))}
+    )
     return out[rid]
 
 

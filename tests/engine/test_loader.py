@@ -37,8 +37,13 @@ needs_gguf = pytest.mark.skipif(
 
 def _tiny_llama(folder: Path) -> Path:
     config = LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
     )
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
@@ -134,7 +139,9 @@ def converted() -> Path:
 def gguf_reference() -> tuple[torch.nn.Module, object]:
     """transformers loading the GGUF directly, with no pdserve code in between."""
     gguf = loader.find_default_gguf()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return model.eval(), tokenizer
 
@@ -214,8 +221,8 @@ def test_greedy_tokens_equal_gguf(converted_model: tuple, gguf_reference: tuple)
     input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     kwargs = {"max_new_tokens": 10, "do_sample": False, "min_new_tokens": 10}
     with torch.no_grad():
-        out = model.generate(input_ids, **kwargs)[0, input_ids.shape[1]:]
-        ref_out = ref_model.generate(input_ids, **kwargs)[0, input_ids.shape[1]:]
+        out = model.generate(input_ids, **kwargs)[0, input_ids.shape[1] :]
+        ref_out = ref_model.generate(input_ids, **kwargs)[0, input_ids.shape[1] :]
     assert out.tolist() == ref_out.tolist()
     assert len(out) == 10
 
@@ -232,7 +239,8 @@ def test_conversion_into_empty_cache_dir(
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config
     assert sorted(p.name for p in folder.parent.iterdir()) == [
-        f".{loader.DEFAULT_MODEL}.lock", loader.DEFAULT_MODEL,
+        f".{loader.DEFAULT_MODEL}.lock",
+        loader.DEFAULT_MODEL,
     ]
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.chat_template

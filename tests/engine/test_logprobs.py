@@ -14,7 +14,7 @@ def _reference_logprobs(path: str, prompt: list[int], tokens: list[int]) -> torc
     """transformers' log-softmax at each generated position: [len(tokens), vocab_size]."""
     with torch.inference_mode():
         logits = hf_model(path)(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)], dim=-1)
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)], dim=-1)
 
 
 def _run(path: str, prompt: list[int], params: SamplingParams):
@@ -30,7 +30,9 @@ def _run(path: str, prompt: list[int], params: SamplingParams):
 
 def test_greedy_logprobs_and_top_alternatives_match_transformers(default_model, real_text_ids):
     prompt = real_text_ids[100:140]
-    tokens, logprobs = _run(default_model, prompt, SamplingParams(max_tokens=12, logprobs=5, **GREEDY))
+    tokens, logprobs = _run(
+        default_model, prompt, SamplingParams(max_tokens=12, logprobs=5, **GREEDY)
+    )
     reference = _reference_logprobs(default_model, prompt, tokens)
     assert len(logprobs) == len(tokens) == 12
     for step, (token, lp) in enumerate(zip(tokens, logprobs)):
@@ -39,7 +41,9 @@ def test_greedy_logprobs_and_top_alternatives_match_transformers(default_model, 
         assert len(lp.top) == 5 and lp.top[0][0] == token
         assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
         ref_top = reference[step].topk(5)
-        torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), ref_top.values, atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor([v for _, v in lp.top]), ref_top.values, atol=1e-4, rtol=0
+        )
 
 
 def test_sampled_tokens_report_the_raw_distribution_and_their_rank(default_model, real_text_ids):
@@ -55,7 +59,9 @@ def test_sampled_tokens_report_the_raw_distribution_and_their_rank(default_model
 
 
 def test_no_logprobs_unless_asked(tiny_llama):
-    outs, _ = run_to_completion(make_engine(tiny_llama), {"r": ([3, 4, 5], SamplingParams(max_tokens=4, **GREEDY))})
+    outs, _ = run_to_completion(
+        make_engine(tiny_llama), {"r": ([3, 4, 5], SamplingParams(max_tokens=4, **GREEDY))}
+    )
     engine = make_engine(tiny_llama)
     [out] = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4, **GREEDY))
     assert out.logprobs == () and out.token_ids == outs["r"]

@@ -23,8 +23,12 @@ BLOCK = 16
 
 def _run(engine, prompt, max_tokens=8, request_id="r", cache_salt=None):
     """One request alone, to completion (integrity checked every step): (tokens, cached_tokens)."""
-    engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), request_id=request_id,
-                       cache_salt=cache_salt)
+    engine.add_request(
+        prompt,
+        SamplingParams(max_tokens=max_tokens, **GREEDY),
+        request_id=request_id,
+        cache_salt=cache_salt,
+    )
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
@@ -36,10 +40,18 @@ def _run(engine, prompt, max_tokens=8, request_id="r", cache_salt=None):
 def _run_batch(engine, prompts: dict[str, list[int]], max_tokens: int):
     """Requests in one batch, to completion: {request_id: (tokens, cached_tokens)}."""
     for request_id, prompt in prompts.items():
-        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), request_id=request_id)
+        engine.add_request(
+            prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), request_id=request_id
+        )
     results = {}
     while engine.has_unfinished_requests():
-        results.update({o.request_id: (o.output_token_ids, o.num_cached_tokens) for o in engine.step() if o.finished})
+        results.update(
+            {
+                o.request_id: (o.output_token_ids, o.num_cached_tokens)
+                for o in engine.step()
+                if o.finished
+            }
+        )
         engine.check_integrity()
     return results
 
@@ -60,7 +72,10 @@ def test_cached_tokens_rule_for_every_prompt_length_1_to_80(default_model, real_
         assert_equivalent(cold[f"cold-{n}"][0], reference, f"cold n={n}")
         assert_equivalent(warm[f"warm-{n}"][0], reference, f"warm n={n}")
     hits = sum((n - 1) // BLOCK * BLOCK for n in prompts)
-    assert (engine.scheduler.prefix_cache_queries, engine.scheduler.prefix_cache_hits) == (2 * sum(prompts), hits)
+    assert (engine.scheduler.prefix_cache_queries, engine.scheduler.prefix_cache_hits) == (
+        2 * sum(prompts),
+        hits,
+    )
     assert engine.scheduler.num_prompt_tokens_computed == 2 * sum(prompts) - hits
 
 
@@ -90,7 +105,10 @@ def test_prompts_sharing_all_but_their_last_block_never_share_it(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=64)
     first = list(range(2, 2 + 3 * BLOCK))
     second = first[:-1] + [first[-1] + 100]
-    assert block_hashes(first, BLOCK, engine.model_id)[2] != block_hashes(second, BLOCK, engine.model_id)[2]
+    assert (
+        block_hashes(first, BLOCK, engine.model_id)[2]
+        != block_hashes(second, BLOCK, engine.model_id)[2]
+    )
     out_first, cached_first = _run(engine, first, request_id="first")
     out_second, cached_second = _run(engine, second, request_id="second")
     assert (cached_first, cached_second) == (0, 2 * BLOCK)
@@ -120,7 +138,9 @@ def test_same_prefix_different_salt_or_model_shares_nothing(tiny_llama):
     assert _run(engine, prompt, request_id="b", cache_salt="tenant-b")[1] == 0
     assert _run(engine, prompt, request_id="c", cache_salt="tenant-a")[1] == 2 * BLOCK
     assert _run(engine, prompt, request_id="d")[1] == 0
-    assert block_hashes(prompt, BLOCK, "other-model@0") != block_hashes(prompt, BLOCK, engine.model_id)
+    assert block_hashes(prompt, BLOCK, "other-model@0") != block_hashes(
+        prompt, BLOCK, engine.model_id
+    )
     for bad in ("", 5, "x" * 1025):
         with pytest.raises(InvalidRequestError, match="cache_salt"):
             engine.add_request(prompt, SamplingParams(), cache_salt=bad)
@@ -129,7 +149,10 @@ def test_same_prefix_different_salt_or_model_shares_nothing(tiny_llama):
 def test_a_long_salt_is_hashed_once_per_call_not_once_per_block(tiny_llama, monkeypatch):
     calls = []
     monkeypatch.setattr(block_hash, "extra_key", lambda *a: calls.append(a) or b"k" * 32)
-    assert len(block_hash.block_hashes(list(range(160)), BLOCK, "m", "s" * 1000)) == 10 and len(calls) == 1
+    assert (
+        len(block_hash.block_hashes(list(range(160)), BLOCK, "m", "s" * 1000)) == 10
+        and len(calls) == 1
+    )
 
 
 def test_events_tell_exactly_which_hashes_the_cache_holds(tiny_llama):
@@ -140,7 +163,11 @@ def test_events_tell_exactly_which_hashes_the_cache_holds(tiny_llama):
     events = engine.take_kv_events()
     assert events[0] == BlockStored(tuple(hashes), ROOT_HASH, tuple(prompt[: 2 * BLOCK]), BLOCK)
     # The output completed block 3 (3 prompt tokens + 13 of the 14 generated ones had KV).
-    assert len(events) == 2 and events[1].parent_block_hash == hashes[1] and len(events[1].block_hashes) == 1
+    assert (
+        len(events) == 2
+        and events[1].parent_block_hash == hashes[1]
+        and len(events[1].block_hashes) == 1
+    )
     held = set(hashes) | set(events[1].block_hashes)
     # 5 more full blocks: the 3 free ones, then the 2 least recently freed cached ones (evicted).
     _run(engine, list(range(300, 300 + 5 * BLOCK)), max_tokens=1, request_id="big")
@@ -161,7 +188,9 @@ def test_decode_engine_keeps_its_own_prefix_cache(tiny_llama):
     decode engine lacks; turn 1's generated blocks come from its own cache."""
     transfer = InMemoryKVTransfer()
     prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=256, kv_transfer=transfer)
-    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=256, kv_transfer=transfer, seed=1)
+    decode = make_engine(
+        tiny_llama, role=EngineRole.DECODE, num_blocks=256, kv_transfer=transfer, seed=1
+    )
     both = make_engine(tiny_llama, num_blocks=256, seed=2)
     bytes_per_block = decode.kv_cache.spec.bytes_per_block
 
@@ -169,8 +198,12 @@ def test_decode_engine_keeps_its_own_prefix_cache(tiny_llama):
         prefill.add_request(prompt, SamplingParams(max_tokens=20, **GREEDY), request_id=request_id)
         (handoff,) = prefill.step()
         before = transfer.bytes_transferred
-        decode.add_request(prompt, SamplingParams(max_tokens=20, **GREEDY), request_id=request_id,
-                           kv_handle=handoff.kv_handle)
+        decode.add_request(
+            prompt,
+            SamplingParams(max_tokens=20, **GREEDY),
+            request_id=request_id,
+            kv_handle=handoff.kv_handle,
+        )
         while decode.has_unfinished_requests():
             for out in decode.step():
                 if out.finished:
@@ -204,8 +237,14 @@ def test_block_hashes_are_equal_across_processes(tiny_llama):
     outputs = []
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
-                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         outputs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     engine = make_engine(tiny_llama, num_blocks=16)

@@ -53,7 +53,11 @@ def test_same_seed_same_tokens_whoever_the_neighbours(tiny_llama):
     alone, _ = run_to_completion(make_engine(tiny_llama, num_blocks=256), {"t": target})
     batch = {"t": target}
     for i in range(7):
-        params = SamplingParams(max_tokens=5 + i, **GREEDY) if i % 2 else SamplingParams(max_tokens=9, seed=i)
+        params = (
+            SamplingParams(max_tokens=5 + i, **GREEDY)
+            if i % 2
+            else SamplingParams(max_tokens=9, seed=i)
+        )
         batch[f"n{i}"] = (list(range(2, 4 + 5 * i)), params)
     together, steps = run_to_completion(make_engine(tiny_llama, num_blocks=256), batch)
     assert len(steps[0]) == 8

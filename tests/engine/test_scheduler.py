@@ -12,9 +12,14 @@ def test_decode_step_feeds_exactly_one_new_token_per_running_request(tiny_llama)
     engine = make_engine(tiny_llama, num_blocks=256)
     seen: list[int] = []  # input_ids length of every forward
     forward = engine.model.forward
-    engine.model.forward = lambda input_ids, *a, **k: (seen.append(int(input_ids.shape[0])), forward(input_ids, *a, **k))[1]
+    engine.model.forward = lambda input_ids, *a, **k: (
+        seen.append(int(input_ids.shape[0])),
+        forward(input_ids, *a, **k),
+    )[1]
     for i, n in enumerate([5, 9, 30]):
-        engine.add_request(list(range(2, 2 + n)), SamplingParams(max_tokens=6, **GREEDY), request_id=f"r{i}")
+        engine.add_request(
+            list(range(2, 2 + n)), SamplingParams(max_tokens=6, **GREEDY), request_id=f"r{i}"
+        )
     engine.step()
     assert seen == [5 + 9 + 30]
     for _ in range(5):
@@ -28,7 +33,10 @@ def test_decode_step_feeds_exactly_one_new_token_per_running_request(tiny_llama)
 
 def test_chunked_prefill_packs_prompts_under_the_token_budget(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=256, max_num_batched_tokens=24)
-    requests = {f"r{i}": (list(range(2, 2 + n)), SamplingParams(max_tokens=4, **GREEDY)) for i, n in enumerate([40, 10, 3])}
+    requests = {
+        f"r{i}": (list(range(2, 2 + n)), SamplingParams(max_tokens=4, **GREEDY))
+        for i, n in enumerate([40, 10, 3])
+    }
     outs, steps = run_to_completion(engine, requests)
     assert all(sum(step.values()) <= 24 for step in steps)
     assert steps[0] == {"r0": 24}
@@ -40,7 +48,8 @@ def test_chunked_prefill_packs_prompts_under_the_token_budget(tiny_llama):
 def test_preemption_by_recompute_keeps_greedy_output(tiny_llama):
     """A pool too small for all requests at once forces preemption; outputs do not change."""
     requests = {
-        f"r{i}": (list(range(3 + i, 3 + i + 20 + 3 * i)), SamplingParams(max_tokens=40, **GREEDY)) for i in range(8)
+        f"r{i}": (list(range(3 + i, 3 + i + 20 + 3 * i)), SamplingParams(max_tokens=40, **GREEDY))
+        for i in range(8)
     }
     roomy, _ = run_to_completion(make_engine(tiny_llama, block_size=4, num_blocks=1024), requests)
     tight_engine = make_engine(tiny_llama, block_size=4, num_blocks=48)
@@ -69,7 +78,9 @@ def test_max_num_seqs_limits_the_batch(tiny_llama):
 
 def test_abort_running_and_waiting_requests_frees_blocks(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=64, max_num_seqs=1)
-    engine.add_request(list(range(2, 40)), SamplingParams(max_tokens=50, **GREEDY), request_id="run")
+    engine.add_request(
+        list(range(2, 40)), SamplingParams(max_tokens=50, **GREEDY), request_id="run"
+    )
     engine.add_request([5, 6], SamplingParams(max_tokens=5, **GREEDY), request_id="wait")
     engine.step()
     assert engine.kv_cache.pool.num_used_blocks == 3
@@ -87,8 +98,10 @@ def test_eos_and_stop_token_ids_finish_with_stop(tiny_llama):
     (free_run,) = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=10, **GREEDY))
     stop_at = free_run.token_ids[3]
     first = free_run.token_ids.index(stop_at)
-    (stopped,) = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
-                                                           stop_token_ids=(stop_at,)))
+    (stopped,) = engine.generate(
+        [[7, 8, 9]],
+        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=(stop_at,)),
+    )
     assert stopped.finish_reason == "stop" and stopped.token_ids == free_run.token_ids[: first + 1]
     engine.eos_token_id = stop_at
     (eos,) = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=10, temperature=0))
@@ -107,12 +120,21 @@ def test_a_step_orders_prompt_chunks_by_length_after_fcfs_admission(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=256, max_num_batched_tokens=64)
     seen = []
     model = engine.runner.model
-    engine.runner.model = lambda ids, pos, cache, meta, rows: (seen.append(meta), model(ids, pos, cache, meta, rows))[1]
-    requests = {f"r{i}": (list(range(2 + 50 * i, 2 + 50 * i + n)), SamplingParams(max_tokens=2, **GREEDY))
-                for i, n in enumerate([5, 20, 12, 20])}
+    engine.runner.model = lambda ids, pos, cache, meta, rows: (
+        seen.append(meta),
+        model(ids, pos, cache, meta, rows),
+    )[1]
+    requests = {
+        f"r{i}": (list(range(2 + 50 * i, 2 + 50 * i + n)), SamplingParams(max_tokens=2, **GREEDY))
+        for i, n in enumerate([5, 20, 12, 20])
+    }
     outs, steps = run_to_completion(engine, requests)
     assert steps[0] == {"r0": 5, "r1": 20, "r2": 12, "r3": 20}
     assert [p.query_len for p in seen[0].prefills] == [20, 20, 12, 5]
-    assert [(rows.numel(), n) for rows, n in seen[0].fresh_prefill_groups] == [(40, 2), (12, 1), (5, 1)]
+    assert [(rows.numel(), n) for rows, n in seen[0].fresh_prefill_groups] == [
+        (40, 2),
+        (12, 1),
+        (5, 1),
+    ]
     reference, _ = run_to_completion(make_engine(tiny_llama, num_blocks=256), requests)
     assert outs == reference

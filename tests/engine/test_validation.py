@@ -68,8 +68,12 @@ def test_bad_requests_are_refused_and_leave_no_trace(tiny_llama):
         assert info.value.field == field
     with pytest.raises(InvalidRequestError, match="^prompt:"):
         engine.add_request("text needs a tokenizer", SamplingParams())
-    with pytest.raises(ResourceExhaustedError):  # 38 + 4 tokens need 3 blocks of 16; the cache has 2
-        make_engine(tiny_llama, num_blocks=2).add_request(list(range(2, 40)), SamplingParams(max_tokens=4))
+    with pytest.raises(
+        ResourceExhaustedError
+    ):  # 38 + 4 tokens need 3 blocks of 16; the cache has 2
+        make_engine(tiny_llama, num_blocks=2).add_request(
+            list(range(2, 40)), SamplingParams(max_tokens=4)
+        )
     engine.add_request([3, 4], SamplingParams(max_tokens=2), request_id="dup")
     with pytest.raises(InvalidRequestError, match="^request_id:"):
         engine.add_request([3, 4], SamplingParams(max_tokens=2), request_id="dup")
@@ -84,7 +88,9 @@ def test_bad_requests_are_refused_and_leave_no_trace(tiny_llama):
 def test_unsupported_architecture_is_refused(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(
+        tmp_path
+    )
     with pytest.raises(ValueError, match="^model: architecture 'gpt2'"):
         Engine(EngineConfig(model=str(tmp_path)))
 
@@ -99,9 +105,17 @@ def test_mistral_sliding_window(tmp_path):
     import torch
 
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                           sliding_window=64, initializer_range=0.2)
+    config = MistralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=64,
+        initializer_range=0.2,
+    )
     MistralForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="^max_model_len: .*sliding window"):
         Engine(EngineConfig(model=str(tmp_path)))
@@ -114,7 +128,9 @@ def test_mistral_sliding_window(tmp_path):
 def test_vanishing_temperature_is_greedy(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=64)
     (greedy,) = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=8, **GREEDY))
-    (tiny,) = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True))
+    (tiny,) = engine.generate(
+        [[4, 5, 6]], SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True)
+    )
     assert tiny.token_ids == greedy.token_ids
 
 
@@ -145,8 +161,13 @@ def test_generate_is_all_or_nothing(tiny_llama):
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [(dict(block_size=2.5), "block_size"), (dict(block_size=True), "block_size"), (dict(seed=1.5), "seed"),
-     (dict(max_model_len=100.5), "max_model_len"), (dict(device="cuda"), "device")],
+    [
+        (dict(block_size=2.5), "block_size"),
+        (dict(block_size=True), "block_size"),
+        (dict(seed=1.5), "seed"),
+        (dict(max_model_len=100.5), "max_model_len"),
+        (dict(device="cuda"), "device"),
+    ],
 )
 def test_engine_config_types(kwargs, field):
     if field == "device" and __import__("torch").cuda.is_available():

@@ -9,7 +9,6 @@ import queue
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -35,43 +34,129 @@ def parse(*argv: str):
 
 def test_serve_contract_flags_and_defaults():
     args = parse("serve")
-    assert (args.model, args.host, args.port, args.http_port) == ("smollm2-135m-instruct", "127.0.0.1", 50051, 8000)
+    assert (args.model, args.host, args.port, args.http_port) == (
+        "smollm2-135m-instruct",
+        "127.0.0.1",
+        50051,
+        8000,
+    )
     assert (args.num_prefill, args.num_decode, args.block_size) == (1, 1, 16)
     assert (args.dtype, args.max_model_len, args.start_timeout) == (None, None, 120.0)
-    args = parse("serve", "--model", "/m", "--host", "0.0.0.0", "--port", "1", "--http-port", "2",
-                 "--num-prefill", "3", "--num-decode", "4", "--block-size", "32",
-                 "--dtype", "bfloat16", "--max-model-len", "512", "--prefill-threads", "2", "--decode-threads", "1",
-                 "--prefill-cpus", "0-1", "--decode-cpus", "1")
-    assert (args.model, args.host, args.port, args.http_port, args.num_prefill, args.num_decode) == (
-        "/m", "0.0.0.0", 1, 2, 3, 4)
+    args = parse(
+        "serve",
+        "--model",
+        "/m",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "1",
+        "--http-port",
+        "2",
+        "--num-prefill",
+        "3",
+        "--num-decode",
+        "4",
+        "--block-size",
+        "32",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "512",
+        "--prefill-threads",
+        "2",
+        "--decode-threads",
+        "1",
+        "--prefill-cpus",
+        "0-1",
+        "--decode-cpus",
+        "1",
+    )
+    assert (
+        args.model,
+        args.host,
+        args.port,
+        args.http_port,
+        args.num_prefill,
+        args.num_decode,
+    ) == ("/m", "0.0.0.0", 1, 2, 3, 4)
     assert (args.block_size, args.dtype, args.max_model_len) == (32, "bfloat16", 512)
-    assert (args.prefill_threads, args.decode_threads, args.prefill_cpus, args.decode_cpus) == (2, 1, "0-1", "1")
+    assert (args.prefill_threads, args.decode_threads, args.prefill_cpus, args.decode_cpus) == (
+        2,
+        1,
+        "0-1",
+        "1",
+    )
     assert parse("serve", "--no-http").http_port is None
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_worker_flags_and_defaults(role):
     args = parse(role)
-    assert (args.model, args.host, args.port, args.metrics_port) == ("smollm2-135m-instruct", "127.0.0.1", 0, 0)
-    assert (args.block_size, args.dtype, args.max_model_len, args.num_blocks) == (16, None, None, None)
-    assert (args.kv_cache_memory_bytes, args.max_num_seqs, args.max_num_batched_tokens) == (1 << 30, 256, 8192)
+    assert (args.model, args.host, args.port, args.metrics_port) == (
+        "smollm2-135m-instruct",
+        "127.0.0.1",
+        0,
+        0,
+    )
+    assert (args.block_size, args.dtype, args.max_model_len, args.num_blocks) == (
+        16,
+        None,
+        None,
+        None,
+    )
+    assert (args.kv_cache_memory_bytes, args.max_num_seqs, args.max_num_batched_tokens) == (
+        1 << 30,
+        256,
+        8192,
+    )
     assert (args.threads, args.cpus, args.engine_id) == (None, None, None)
-    args = parse(role, "--kv-cache-bytes", "1000", "--threads", "2", "--cpus", "0,1", "--engine-id", "e1",
-                 "--num-blocks", "64", "--dtype", "float16")
-    assert (args.kv_cache_memory_bytes, args.threads, args.cpus, args.engine_id) == (1000, 2, "0,1", "e1")
+    args = parse(
+        role,
+        "--kv-cache-bytes",
+        "1000",
+        "--threads",
+        "2",
+        "--cpus",
+        "0,1",
+        "--engine-id",
+        "e1",
+        "--num-blocks",
+        "64",
+        "--dtype",
+        "float16",
+    )
+    assert (args.kv_cache_memory_bytes, args.threads, args.cpus, args.engine_id) == (
+        1000,
+        2,
+        "0,1",
+        "e1",
+    )
     assert (args.num_blocks, args.dtype) == (64, "float16")
     if role == "prefill":
         assert args.kv_lease_seconds == 30.0 and not hasattr(args, "kv_transfer_timeout")
     else:
         assert (args.kv_transfer_timeout, args.debug_zero_kv_block) == (30.0, None)
         assert parse("decode", "--debug-zero-kv-block", "3").debug_zero_kv_block == 3
-        assert "debug-zero-kv-block" not in cli._parser()._subparsers._group_actions[0].choices["decode"].format_help()
+        assert (
+            "debug-zero-kv-block"
+            not in cli._parser()._subparsers._group_actions[0].choices["decode"].format_help()
+        )
 
 
 def test_router_flags_and_defaults(capsys):
     args = parse("router", "--prefill", "h:1", "--prefill", "h:2", "--decode", "h:3")
-    assert (args.model, args.host, args.port, args.metrics_port) == ("smollm2-135m-instruct", "127.0.0.1", 50051, 0)
-    assert (args.prefill, args.decode, args.request_timeout, args.http_port) == (["h:1", "h:2"], ["h:3"], 300.0, None)
+    assert (args.model, args.host, args.port, args.metrics_port) == (
+        "smollm2-135m-instruct",
+        "127.0.0.1",
+        50051,
+        0,
+    )
+    assert (args.prefill, args.decode, args.request_timeout, args.http_port) == (
+        ["h:1", "h:2"],
+        ["h:3"],
+        300.0,
+        None,
+    )
     with pytest.raises(SystemExit):
         parse("router", "--prefill", "h:1")  # a router needs decode workers too
     assert "--decode" in capsys.readouterr().err
@@ -80,13 +165,54 @@ def test_router_flags_and_defaults(capsys):
 def test_generate_contract_flags_and_defaults(capsys):
     args = parse("generate", "--prompt", "hi")
     assert (args.url, args.prompt, args.max_tokens, args.temperature, args.top_p, args.top_k) == (
-        "127.0.0.1:50051", "hi", 64, 0.0, 1.0, -1)
-    assert (args.seed, args.stop, args.ignore_eos, args.json, args.timeout) == (None, [], False, False, 300.0)
-    args = parse("generate", "--url", "h:9", "--prompt-ids", "1,2,3", "--max-tokens", "5", "--temperature", "0.7",
-                 "--top-p", "0.9", "--top-k", "40", "--seed", "7", "--stop", "a", "--stop", "b", "--ignore-eos",
-                 "--json", "--timeout", "2.5")
-    assert (args.url, args.prompt_ids, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed) == (
-        "h:9", "1,2,3", 5, 0.7, 0.9, 40, 7)
+        "127.0.0.1:50051",
+        "hi",
+        64,
+        0.0,
+        1.0,
+        -1,
+    )
+    assert (args.seed, args.stop, args.ignore_eos, args.json, args.timeout) == (
+        None,
+        [],
+        False,
+        False,
+        300.0,
+    )
+    args = parse(
+        "generate",
+        "--url",
+        "h:9",
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.7",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "40",
+        "--seed",
+        "7",
+        "--stop",
+        "a",
+        "--stop",
+        "b",
+        "--ignore-eos",
+        "--json",
+        "--timeout",
+        "2.5",
+    )
+    assert (
+        args.url,
+        args.prompt_ids,
+        args.max_tokens,
+        args.temperature,
+        args.top_p,
+        args.top_k,
+        args.seed,
+    ) == ("h:9", "1,2,3", 5, 0.7, 0.9, 40, 7)
     assert (args.stop, args.ignore_eos, args.json, args.timeout) == (["a", "b"], True, True, 2.5)
     assert parse("generate", "--chat", "hello").chat == "hello"
     for argv in (["generate"], ["generate", "--prompt", "a", "--chat", "b"]):
@@ -96,39 +222,79 @@ def test_generate_contract_flags_and_defaults(capsys):
 
 
 def test_help_imports_no_heavy_packages():
-    code = ("import sys; from services import cli, launcher; cli._parser().format_help(); "
-            "heavy = {'torch', 'transformers', 'grpc'} & set(sys.modules); assert not heavy, heavy")
+    code = (
+        "import sys; from services import cli, launcher; cli._parser().format_help(); "
+        "heavy = {'torch', 'transformers', 'grpc'} & set(sys.modules); assert not heavy, heavy"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, check=True, timeout=60)
 
 
 def test_serve_passes_flags_to_its_children():
-    args = parse("serve", "--model", "/m", "--dtype", "bfloat16", "--block-size", "32", "--max-model-len", "256",
-                 "--kv-cache-bytes", "4096", "--num-prefill", "2", "--prefill-cpus", "0", "--decode-threads", "1",
-                 "--port", "6000", "--kv-transfer-timeout", "2")
+    args = parse(
+        "serve",
+        "--model",
+        "/m",
+        "--dtype",
+        "bfloat16",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "256",
+        "--kv-cache-bytes",
+        "4096",
+        "--num-prefill",
+        "2",
+        "--prefill-cpus",
+        "0",
+        "--decode-threads",
+        "1",
+        "--port",
+        "6000",
+        "--kv-transfer-timeout",
+        "2",
+    )
     spec = launcher.cluster_spec_from_args(args)
-    assert [(w.name, w.role) for w in spec.workers] == [("prefill-0", "prefill"), ("prefill-1", "prefill"),
-                                                       ("decode-0", "decode")]
+    assert [(w.name, w.role) for w in spec.workers] == [
+        ("prefill-0", "prefill"),
+        ("prefill-1", "prefill"),
+        ("decode-0", "decode"),
+    ]
     assert spec.workers[0].argv[:4] == [sys.executable, "-m", "services.cli", "prefill"]
     prefill, decode = parse(*spec.workers[0].argv[3:]), parse(*spec.workers[2].argv[3:])
     for worker in (prefill, decode):
-        assert (worker.model, worker.dtype, worker.block_size, worker.max_model_len) == ("/m", "bfloat16", 32, 256)
+        assert (worker.model, worker.dtype, worker.block_size, worker.max_model_len) == (
+            "/m",
+            "bfloat16",
+            32,
+            256,
+        )
         assert (worker.port, worker.metrics_port, worker.kv_cache_memory_bytes) == (0, 0, 4096)
     assert (prefill.cpus, prefill.threads) == ("0", None)
     assert (decode.cpus, decode.threads, decode.kv_transfer_timeout) == (None, 1, 2.0)
     router = spec.router(["h:1", "h:2"], ["h:3"])
     assert router.role == "router"
     parsed = parse(*router.argv[3:])
-    assert (parsed.prefill, parsed.decode, parsed.port, parsed.http_port) == (["h:1", "h:2"], ["h:3"], 6000, 8000)
+    assert (parsed.prefill, parsed.decode, parsed.port, parsed.http_port) == (
+        ["h:1", "h:2"],
+        ["h:3"],
+        6000,
+        8000,
+    )
     assert parsed.max_model_len == 256  # the router refuses what the workers would
     no_http = launcher.cluster_spec_from_args(parse("serve", "--no-http")).router(["a:1"], ["b:2"])
     assert parse(*no_http.argv[3:]).http_port is None
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["--num-prefill", "0"], "--num-prefill"), (["--num-decode", "-1"], "--num-decode"),
-    (["--prefill-cpus", "x"], "--prefill-cpus"), (["--decode-cpus", "99999"], "--decode-cpus"),
-    (["--prefill-threads", "0"], "--prefill-threads"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--num-prefill", "0"], "--num-prefill"),
+        (["--num-decode", "-1"], "--num-decode"),
+        (["--prefill-cpus", "x"], "--prefill-cpus"),
+        (["--decode-cpus", "99999"], "--decode-cpus"),
+        (["--prefill-threads", "0"], "--prefill-threads"),
+    ],
+)
 def test_serve_rejects_bad_flags_before_starting_anything(capsys, argv, flag):
     assert cli.main(["serve", *argv]) == 2
     err = capsys.readouterr().err
@@ -177,7 +343,10 @@ def test_apply_cpu_placement():
 
 def test_worker_command_reports_bad_cpus_in_one_line(capsys):
     assert cli.main(["prefill", "--cpus", "3-1"]) == 2
-    assert capsys.readouterr().err == "pdserve: error: --cpus: expected CPU ids like 0,1 or 0-3, got '3-1'\n"
+    assert (
+        capsys.readouterr().err
+        == "pdserve: error: --cpus: expected CPU ids like 0,1 or 0-3, got '3-1'\n"
+    )
 
 
 # --- generate against a fake router --------------------------------------------------------
@@ -197,10 +366,13 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             raise ServiceUnavailableError("no healthy decode worker")
         yield generate_pb2.GenerateResponse(token_ids=[5, 6], text="Hel")
         yield generate_pb2.GenerateResponse(
-            token_ids=[7], text="lo", finish_reason="length",
+            token_ids=[7],
+            text="lo",
+            finish_reason="length",
             usage=generate_pb2.Usage(prompt_tokens=3, completion_tokens=3, cached_tokens=1),
-            timings=generate_pb2.Timings(ttft=0.5, e2e=1.5, tokenize=0.25, prefill=0.125, kv_transfer=0.0625,
-                                         decode=1.0),
+            timings=generate_pb2.Timings(
+                ttft=0.5, e2e=1.5, tokenize=0.25, prefill=0.125, kv_transfer=0.0625, decode=1.0
+            ),
         )
 
 
@@ -208,8 +380,11 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
 def fake_router():
     servicer = FakeGeneration()
     service = start_service(
-        "router", [(generate_pb2_grpc.add_GenerationServicer_to_server, servicer, "pdserve.v1.Generation")],
-        "127.0.0.1", 0, 0,
+        "router",
+        [(generate_pb2_grpc.add_GenerationServicer_to_server, servicer, "pdserve.v1.Generation")],
+        "127.0.0.1",
+        0,
+        0,
     )
     yield service.grpc_address, servicer
     service.server.stop(0).wait()
@@ -217,21 +392,53 @@ def fake_router():
 
 def test_generate_json(fake_router, capsys):
     url, servicer = fake_router
-    argv = ["generate", "--url", url, "--prompt", "hi", "--json", "--max-tokens", "3", "--seed", "7",
-            "--stop", "a", "--stop", "b", "--ignore-eos", "--temperature", "0.5", "--top-k", "5"]
+    argv = [
+        "generate",
+        "--url",
+        url,
+        "--prompt",
+        "hi",
+        "--json",
+        "--max-tokens",
+        "3",
+        "--seed",
+        "7",
+        "--stop",
+        "a",
+        "--stop",
+        "b",
+        "--ignore-eos",
+        "--temperature",
+        "0.5",
+        "--top-k",
+        "5",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 1
     assert json.loads(out) == {
-        "text": "Hello", "token_ids": [5, 6, 7], "finish_reason": "length",
+        "text": "Hello",
+        "token_ids": [5, 6, 7],
+        "finish_reason": "length",
         "usage": {"prompt_tokens": 3, "completion_tokens": 3, "cached_tokens": 1},
-        "timings": {"ttft": 0.5, "e2e": 1.5, "tokenize": 0.25, "prefill": 0.125, "kv_transfer": 0.0625,
-                    "decode": 1.0},
+        "timings": {
+            "ttft": 0.5,
+            "e2e": 1.5,
+            "tokenize": 0.25,
+            "prefill": 0.125,
+            "kv_transfer": 0.0625,
+            "decode": 1.0,
+        },
     }
     request = servicer.requests[-1]
     assert request.WhichOneof("prompt") == "text" and request.text == "hi"
     sampling = request.sampling
-    assert (sampling.max_tokens, sampling.seed, list(sampling.stop), sampling.ignore_eos) == (3, 7, ["a", "b"], True)
+    assert (sampling.max_tokens, sampling.seed, list(sampling.stop), sampling.ignore_eos) == (
+        3,
+        7,
+        ["a", "b"],
+        True,
+    )
     assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.5, 1.0, 5)
 
 
@@ -249,10 +456,13 @@ def test_generate_streams_text(fake_router, capsys):
     assert list(servicer.requests[-1].token_ids.ids) == [1, 2, 3]
 
 
-@pytest.mark.parametrize("prompt, code, status", [
-    ("invalid", 2, "INVALID_ARGUMENT: max_tokens: must be >= 1"),
-    ("unavailable", 1, "UNAVAILABLE: no healthy decode worker"),
-])
+@pytest.mark.parametrize(
+    "prompt, code, status",
+    [
+        ("invalid", 2, "INVALID_ARGUMENT: max_tokens: must be >= 1"),
+        ("unavailable", 1, "UNAVAILABLE: no healthy decode worker"),
+    ],
+)
 def test_generate_error_status(fake_router, capsys, prompt, code, status):
     url, _ = fake_router
     assert cli.main(["generate", "--url", url, "--prompt", prompt, "--json"]) == code
@@ -267,10 +477,13 @@ def test_generate_without_a_server_fails_fast(capsys):
     assert capsys.readouterr().err.startswith("pdserve: error: UNAVAILABLE: ")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--prompt-ids", "1,x"], "prompt-ids: expected comma-separated integers"),
-    (["--prompt", "hi", "--seed", "-1"], "--seed: must be in [0, 2**64)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt-ids", "1,x"], "prompt-ids: expected comma-separated integers"),
+        (["--prompt", "hi", "--seed", "-1"], "--seed: must be in [0, 2**64)"),
+    ],
+)
 def test_generate_rejects_bad_input_before_sending(fake_router, capsys, argv, message):
     url, servicer = fake_router
     sent = len(servicer.requests)
@@ -332,16 +545,22 @@ def fake_service(tmp_path) -> str:
     return str(path)
 
 
-def _spec(fake: str, modes: dict[str, str], routed: list | None = None, **kwargs) -> launcher.ClusterSpec:
+def _spec(
+    fake: str, modes: dict[str, str], routed: list | None = None, **kwargs
+) -> launcher.ClusterSpec:
     def child(name: str, role: str, *extra: str) -> launcher.ChildSpec:
-        return launcher.ChildSpec(name, role, [sys.executable, fake, role, modes.get(name, "ok"), *extra])
+        return launcher.ChildSpec(
+            name, role, [sys.executable, fake, role, modes.get(name, "ok"), *extra]
+        )
 
     def router(prefill: list[str], decode: list[str]) -> launcher.ChildSpec:
         if routed is not None:
             routed.append((prefill, decode))
         return child("router", "router")
 
-    return launcher.ClusterSpec([child("prefill-0", "prefill"), child("decode-0", "decode")], router, **kwargs)
+    return launcher.ClusterSpec(
+        [child("prefill-0", "prefill"), child("decode-0", "decode")], router, **kwargs
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -363,8 +582,14 @@ def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
 def _start_driver(tmp_path: Path, fake: str, mode: str = "ok", stop_timeout: float = 10.0):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    proc = subprocess.Popen([sys.executable, str(driver), fake, mode, str(stop_timeout)], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(driver), fake, mode, str(stop_timeout)],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
     try:
@@ -373,7 +598,7 @@ def _start_driver(tmp_path: Path, fake: str, mode: str = "ok", stop_timeout: flo
         proc.kill()
         pytest.fail(f"no ready line; stderr: {proc.communicate()[1]}")
     assert line.startswith("ready "), (line, proc.stderr.read() if proc.poll() is not None else "")
-    return proc, json.loads(line[len("ready "):])
+    return proc, json.loads(line[len("ready ") :])
 
 
 def test_serve_ready_line_and_sigterm_stops_every_child(tmp_path, fake_service):
@@ -382,9 +607,14 @@ def test_serve_ready_line_and_sigterm_stops_every_child(tmp_path, fake_service):
         assert set(info) == {"router", "http", "services"}
         assert [s["role"] for s in info["services"]] == ["router", "prefill", "prefill", "decode"]
         assert all(set(s) == {"role", "grpc", "metrics", "pid"} for s in info["services"])
-        assert info["router"] == info["services"][0]["grpc"] and info["http"] == "http://127.0.0.1:8000"
-        assert all(s["metrics"].startswith("http://127.0.0.1:") and s["metrics"].endswith("/metrics")
-                   for s in info["services"])
+        assert (
+            info["router"] == info["services"][0]["grpc"]
+            and info["http"] == "http://127.0.0.1:8000"
+        )
+        assert all(
+            s["metrics"].startswith("http://127.0.0.1:") and s["metrics"].endswith("/metrics")
+            for s in info["services"]
+        )
         pids = [s["pid"] for s in info["services"]]
         assert len(set(pids)) == 4 and all(_alive(p) for p in pids)
         proc.send_signal(signal.SIGTERM)
@@ -418,7 +648,10 @@ def test_killed_supervisor_leaves_no_orphans(tmp_path, fake_service):
 
 def test_serve_fails_when_a_worker_dies_at_start(fake_service, capsys):
     routed: list = []
-    assert launcher.Supervisor(_spec(fake_service, {"decode-0": "die"}, routed, stop_timeout=5)).run() == 1
+    assert (
+        launcher.Supervisor(_spec(fake_service, {"decode-0": "die"}, routed, stop_timeout=5)).run()
+        == 1
+    )
     captured = capsys.readouterr()
     assert captured.out == "" and routed == []  # no router was started
     assert "pdserve: error: decode-0 (pid " in captured.err
@@ -432,7 +665,11 @@ def test_serve_fails_when_a_worker_is_never_ready(fake_service, capsys):
     assert launcher.Supervisor(spec).run() == 1
     assert time.monotonic() - start < 10
     err = capsys.readouterr().err
-    assert "pdserve: error: prefill-0 (pid " in err and "not ready after 1 s" in err and "prefill starting" in err
+    assert (
+        "pdserve: error: prefill-0 (pid " in err
+        and "not ready after 1 s" in err
+        and "prefill starting" in err
+    )
 
 
 def test_serve_fails_on_a_bad_ready_line(fake_service, capsys):
@@ -442,7 +679,9 @@ def test_serve_fails_on_a_bad_ready_line(fake_service, capsys):
 
 def test_serve_stops_the_cluster_when_a_child_dies_while_serving(fake_service, capsys):
     routed: list = []
-    supervisor = launcher.Supervisor(_spec(fake_service, {"decode-0": "exit-after-ready"}, routed, stop_timeout=5))
+    supervisor = launcher.Supervisor(
+        _spec(fake_service, {"decode-0": "exit-after-ready"}, routed, stop_timeout=5)
+    )
     assert supervisor.run() == 1
     captured = capsys.readouterr()
     ready = json.loads(captured.out.removeprefix("ready "))

@@ -78,8 +78,13 @@ def test_reserved_blocks_come_back_however_the_receiver_leaves(tiny_llama):
 
     transfer = InMemoryKVTransfer()
     prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=64, kv_transfer=transfer)
-    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=16, kv_transfer=transfer,
-                         kv_transfer_timeout_s=1.0)
+    decode = make_engine(
+        tiny_llama,
+        role=EngineRole.DECODE,
+        num_blocks=16,
+        kv_transfer=transfer,
+        kv_transfer_timeout_s=1.0,
+    )
     loop = EngineLoop(decode, "decode")
     loop.start()
     params = SamplingParams(max_tokens=3, **GREEDY)

@@ -20,12 +20,21 @@ from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 def prefill_side(tiny_llama):
     """A PREFILL engine whose KVTransfer service streams chunks of at most 3 blocks."""
     transfer = GrpcKVTransfer("prefill")
-    engine = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=256, block_size=4, kv_transfer=transfer)
+    engine = make_engine(
+        tiny_llama, role=EngineRole.PREFILL, num_blocks=256, block_size=4, kv_transfer=transfer
+    )
     block_bytes = engine.kv_cache.spec.bytes_per_block
     # The test drives the engine itself, one call at a time, so the servicer may touch it directly.
-    servicer = KVTransferServicer(transfer, lambda fn: fn(), engine.kv_peer_info, chunk_bytes=3 * block_bytes)
-    service = start_service("prefill", [(add_kv_transfer_servicer, servicer,
-                                         "pdserve.v1.KVTransfer")], "127.0.0.1", 0, 0)
+    servicer = KVTransferServicer(
+        transfer, lambda fn: fn(), engine.kv_peer_info, chunk_bytes=3 * block_bytes
+    )
+    service = start_service(
+        "prefill",
+        [(add_kv_transfer_servicer, servicer, "pdserve.v1.KVTransfer")],
+        "127.0.0.1",
+        0,
+        0,
+    )
     yield engine, service.grpc_address, block_bytes
     service.server.stop(0)
 
@@ -56,22 +65,32 @@ def test_pull_streams_bounded_chunks_and_decodes_like_both(tiny_llama, prefill_s
     assert chunks[0].HasField("layout") and not chunks[1].HasField("layout")
 
     transfer = GrpcKVTransfer("decode")
-    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=256, block_size=4, kv_transfer=transfer)
+    decode = make_engine(
+        tiny_llama, role=EngineRole.DECODE, num_blocks=256, block_size=4, kv_transfer=transfer
+    )
     transfer.set_source("r", address)
-    decode.add_request(prompt, SamplingParams(max_tokens=8, **GREEDY), request_id="r", kv_handle=handle)
+    decode.add_request(
+        prompt, SamplingParams(max_tokens=8, **GREEDY), request_id="r", kv_handle=handle
+    )
     assert not decode.has_unfinished_requests()  # reserved: nothing to step until the KV is here
     (reserved,) = decode.take_reserved(claim_writes=True)  # as the decode worker: write, then tell
     for offset, piece in transfer.pull_chunks(handle, reserved.first_block):
-        decode.kv_cache.write_blocks(list(reserved.block_ids[offset : offset + piece.shape[2]]), piece)
+        decode.kv_cache.write_blocks(
+            list(reserved.block_ids[offset : offset + piece.shape[2]]), piece
+        )
     decode.kv_written("r", ok=True)
     outs = {}
     while decode.has_unfinished_requests():
         for out in decode.step():
             outs[out.request_id] = out.output_token_ids
     assert decode.scheduler.num_prompt_tokens_computed == 0
-    _wait_for(lambda: prefill.kv_cache.pool.num_used_blocks == 0)  # ReleaseKV (sent async) unpinned it
-    both, _ = run_to_completion(make_engine(tiny_llama, num_blocks=256, block_size=4),
-                                {"r": (prompt, SamplingParams(max_tokens=8, **GREEDY))})
+    _wait_for(
+        lambda: prefill.kv_cache.pool.num_used_blocks == 0
+    )  # ReleaseKV (sent async) unpinned it
+    both, _ = run_to_completion(
+        make_engine(tiny_llama, num_blocks=256, block_size=4),
+        {"r": (prompt, SamplingParams(max_tokens=8, **GREEDY))},
+    )
     assert outs["r"] == both["r"]
     assert transfer.bytes_transferred == 10 * block_bytes
 
@@ -106,12 +125,19 @@ def test_chunks_are_protobuf_on_the_wire_and_views_on_arrival(dtype):
     cache = KVCache(KVCacheSpec(2, 1, 8, 4, dtype), 16, "cpu")
     cache.kv.copy_(torch.randn(cache.kv.shape).to(dtype))
     blocks = [5, 6, 7, 2, 9]  # runs 5-7, 2, 9
-    layout = common_pb2.KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype="x", layout="y")
+    layout = common_pb2.KVLayout(
+        num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype="x", layout="y"
+    )
     raw = encode_chunk(3, 5, layout, cache.block_buffers(blocks))
     want = cache.read_blocks(blocks)
     proto = worker_pb2.KVChunk.FromString(raw)
     assert (proto.block_offset, proto.num_blocks, proto.layout) == (3, 5, layout)
-    assert raw == worker_pb2.KVChunk(layout=layout, block_offset=3, num_blocks=5, data=proto.data).SerializeToString()
+    assert (
+        raw
+        == worker_pb2.KVChunk(
+            layout=layout, block_offset=3, num_blocks=5, data=proto.data
+        ).SerializeToString()
+    )
     header, data = decode_chunk(raw)
     assert (header.block_offset, header.num_blocks, header.layout) == (3, 5, layout)
     assert torch.equal(chunk_tensor(data, dtype, tuple(want.shape)), want)
@@ -147,22 +173,46 @@ def _counter(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (dict(block_size=8), r"block_size: 4 at the source \(prefill\), 8 at the destination \(decode\)"),
-    (dict(dtype="bfloat16"), r"dtype: float32 at the source \(prefill\), bfloat16 at the destination"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (
+            dict(block_size=8),
+            r"block_size: 4 at the source \(prefill\), 8 at the destination \(decode\)",
+        ),
+        (
+            dict(dtype="bfloat16"),
+            r"dtype: float32 at the source \(prefill\), bfloat16 at the destination",
+        ),
+    ],
+)
 def test_handshake_refuses_another_layout_on_both_sides(tiny_llama, prefill_side, overrides, field):
     prefill, address, _ = prefill_side
     handle = _prefill(prefill, "h", list(range(3, 20)))
-    refused_before = _counter("pdserve_kv_transfer_failures_total", role="prefill", reason="handshake")
+    refused_before = _counter(
+        "pdserve_kv_transfer_failures_total", role="prefill", reason="handshake"
+    )
     transfer = GrpcKVTransfer("decode", timeout_s=5)
-    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=64, kv_transfer=transfer,
-                         **{"block_size": 4, **overrides})
+    decode = make_engine(
+        tiny_llama,
+        role=EngineRole.DECODE,
+        num_blocks=64,
+        kv_transfer=transfer,
+        **{"block_size": 4, **overrides},
+    )
     transfer.set_source("h", address)
     with pytest.raises(KVHandshakeError, match=field):
-        decode.add_request(list(range(3, 20)), SamplingParams(max_tokens=4, **GREEDY), request_id="h", kv_handle=handle)
+        decode.add_request(
+            list(range(3, 20)),
+            SamplingParams(max_tokens=4, **GREEDY),
+            request_id="h",
+            kv_handle=handle,
+        )
     # The source refused too (FAILED_PRECONDITION, counted), and was told to unpin.
-    assert _counter("pdserve_kv_transfer_failures_total", role="prefill", reason="handshake") == refused_before + 1
+    assert (
+        _counter("pdserve_kv_transfer_failures_total", role="prefill", reason="handshake")
+        == refused_before + 1
+    )
     _wait_for(lambda: prefill.kv_cache.pool.num_used_blocks == 0)
     assert not decode.requests and decode.kv_cache.pool.num_used_blocks == 0
     transfer.close()
@@ -175,7 +225,9 @@ def test_the_destination_renews_leases_while_it_wants_the_kv(tiny_llama, prefill
     prefill.kv_transfer.leases.lease_s = 0.6
     handle = _prefill(prefill, "kept", list(range(3, 20)))
     transfer = GrpcKVTransfer("decode", timeout_s=5)
-    decode = make_engine(tiny_llama, role=EngineRole.DECODE, num_blocks=64, block_size=4, kv_transfer=transfer)
+    decode = make_engine(
+        tiny_llama, role=EngineRole.DECODE, num_blocks=64, block_size=4, kv_transfer=transfer
+    )
     transfer.set_source("kept", address)
     transfer.connect(handle, decode.kv_peer_info)  # learns the source's 0.6 s lease
     deadline = time.monotonic() + 2.0
@@ -190,6 +242,10 @@ def test_the_destination_renews_leases_while_it_wants_the_kv(tiny_llama, prefill
         time.sleep(0.02)
     assert prefill.num_pinned_blocks == 0
     stub = worker_pb2_grpc.KVTransferStub(__import__("grpc").insecure_channel(address))
-    assert list(stub.RenewKVLease(worker_pb2.RenewKVLeaseRequest(request_ids=["kept", "never"])).renewed) == [False, False]
-    assert not stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id="kept")).released  # late: harmless
+    assert list(
+        stub.RenewKVLease(worker_pb2.RenewKVLeaseRequest(request_ids=["kept", "never"])).renewed
+    ) == [False, False]
+    assert not stub.ReleaseKV(
+        worker_pb2.ReleaseKVRequest(request_id="kept")
+    ).released  # late: harmless
     transfer.close()

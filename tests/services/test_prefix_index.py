@@ -38,7 +38,9 @@ def test_match_counts_leading_blocks_per_worker(index):
     index.apply("b:2", [_stored(HASHES[:2])])
     index.apply("c:3", [_stored(HASHES[1:])])  # lacks the first block: holds no prefix of it
     assert index.match(HASHES) == {"a:1": 4, "b:2": 2, "c:3": 0}
-    index.apply("a:1", [BlockRemoved((HASHES[1],))])  # a middle block evicted: the match stops there
+    index.apply(
+        "a:1", [BlockRemoved((HASHES[1],))]
+    )  # a middle block evicted: the match stops there
     assert index.match(HASHES)["a:1"] == 1
     index.apply("b:2", [AllBlocksCleared()])
     assert index.match(HASHES) == {"a:1": 1, "b:2": 0, "c:3": 0}
@@ -98,6 +100,7 @@ def test_a_worker_publishes_its_cache_and_resyncs_after_redis_restarts(tiny_llam
     loop.start()
     publisher.start()
     try:
+
         def run(prompt, request_id):
             stream = loop.submit(request_id, prompt, SamplingParams(max_tokens=1, **GREEDY))
             while not stream.get(timeout=30).finished:
@@ -113,7 +116,11 @@ def test_a_worker_publishes_its_cache_and_resyncs_after_redis_restarts(tiny_llam
         redis_server.start()
         both = hashes + block_hashes(second, 16, engine.model_id)
         assert _wait_for(lambda: _safe_match(index, hashes + []) == {"127.0.0.1:1": 3})
-        assert _wait_for(lambda: _safe_match(index, block_hashes(second, 16, engine.model_id)) == {"127.0.0.1:1": 2})
+        assert _wait_for(
+            lambda: (
+                _safe_match(index, block_hashes(second, 16, engine.model_id)) == {"127.0.0.1:1": 2}
+            )
+        )
         # Emptied between two calls (a quick restart, FLUSHALL): the next heartbeat notices.
         import redis
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # Generator version stamps differ between grpcio-tools releases without changing the API.
-_VERSION_LINES = re.compile(r"^(# Protobuf Python Version:.*|GRPC_GENERATED_VERSION = .*|    \d+,)$", re.M)
+_VERSION_LINES = re.compile(
+    r"^(# Protobuf Python Version:.*|GRPC_GENERATED_VERSION = .*|    \d+,)$", re.M
+)
 
 
 def _normalized(path: Path) -> str:
@@ -17,18 +19,28 @@ def _normalized(path: Path) -> str:
 
 
 def test_stubs_are_fresh(tmp_path):
-    subprocess.run([sys.executable, "scripts/gen_protos.py", "--out", str(tmp_path)], cwd=ROOT, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "scripts/gen_protos.py", "--out", str(tmp_path)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     committed = ROOT / "services" / "common" / "pb"
     fresh = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
-    assert fresh == sorted(p.name for p in committed.iterdir() if p.is_file() and p.suffix in (".py", ".pyi"))
-    stale = [name for name in fresh if _normalized(tmp_path / name) != _normalized(committed / name)]
+    assert fresh == sorted(
+        p.name for p in committed.iterdir() if p.is_file() and p.suffix in (".py", ".pyi")
+    )
+    stale = [
+        name for name in fresh if _normalized(tmp_path / name) != _normalized(committed / name)
+    ]
     assert not stale, f"stale stubs {stale}: run `python scripts/gen_protos.py`"
 
 
 def test_stubs_import_and_round_trip():
     from services.common.pb import common_pb2, generate_pb2
 
-    request = generate_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(max_tokens=3, stop=["\n"]))
+    request = generate_pb2.GenerateRequest(
+        text="hi", sampling=common_pb2.SamplingParams(max_tokens=3, stop=["\n"])
+    )
     again = generate_pb2.GenerateRequest.FromString(request.SerializeToString())
     assert again.WhichOneof("prompt") == "text" and again.sampling.max_tokens == 3

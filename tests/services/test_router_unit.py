@@ -23,15 +23,21 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
 from services.common.errors import ServiceUnavailableError
-from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.pb import (
+    common_pb2,
+    generate_pb2,
+    generate_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from services.common.server import start_service
 from services.engine.errors import InvalidRequestError
 from services.router.cancel import CancelScope
 from services.router.generate import GenerateFlow
 from services.router.prompt import ModelInfo, prepare_request
+from services.router.routing import Routing
 from services.router.server import start_router
 from services.router.stop import StopStringMatcher, first_stop_match
-from services.router.routing import Routing
 from services.router.workers import WorkerPool
 
 PROMPT = "Hello world"
@@ -133,7 +139,9 @@ def model_info() -> ModelInfo:
 
 def _request(**sampling) -> generate_pb2.GenerateRequest:
     stop = sampling.pop("stop", [])
-    return generate_pb2.GenerateRequest(text=PROMPT, sampling=common_pb2.SamplingParams(stop=stop, **sampling))
+    return generate_pb2.GenerateRequest(
+        text=PROMPT, sampling=common_pb2.SamplingParams(stop=stop, **sampling)
+    )
 
 
 @pytest.mark.parametrize(
@@ -158,12 +166,23 @@ def test_bad_prompts_name_the_field(model_info):
         (generate_pb2.GenerateRequest(), "prompt"),
         (generate_pb2.GenerateRequest(text=""), "prompt"),
         (generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[])), "prompt"),
-        (generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5, model_info.vocab_size])),
-         "prompt_token_ids"),
-        (generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[-1])), "prompt_token_ids"),
+        (
+            generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=[5, model_info.vocab_size])
+            ),
+            "prompt_token_ids",
+        ),
+        (
+            generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[-1])),
+            "prompt_token_ids",
+        ),
         (generate_pb2.GenerateRequest(chat=generate_pb2.ChatMessages()), "prompt"),
-        (generate_pb2.GenerateRequest(chat=generate_pb2.ChatMessages(messages=[{"role": "robot", "content": "x"}])),
-         r"chat\.messages\[0\]\.role"),
+        (
+            generate_pb2.GenerateRequest(
+                chat=generate_pb2.ChatMessages(messages=[{"role": "robot", "content": "x"}])
+            ),
+            r"chat\.messages\[0\]\.role",
+        ),
     ]
     for request, field in cases:
         with pytest.raises(InvalidRequestError, match=f"^{field}:"):
@@ -175,7 +194,9 @@ def test_prompt_at_max_model_len_is_refused(model_info):
     ids = generate_pb2.TokenIds(ids=[1, 2, 3, 4])
     with pytest.raises(InvalidRequestError, match="^prompt:.*max_model_len 4"):
         prepare_request(generate_pb2.GenerateRequest(token_ids=ids), short)
-    assert prepare_request(generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[1, 2, 3])), short)
+    assert prepare_request(
+        generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[1, 2, 3])), short
+    )
 
 
 def test_text_and_chat_tokenize_like_the_tokenizer(model_info):
@@ -187,8 +208,10 @@ def test_text_and_chat_tokenize_like_the_tokenizer(model_info):
     assert prepared.params.max_tokens == 3 and prepared.request_id
     messages = [{"role": "user", "content": "hi"}]
     chat = generate_pb2.GenerateRequest(chat=generate_pb2.ChatMessages(messages=messages))
-    expected = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                          add_special_tokens=False)
+    expected = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
     assert prepare_request(chat, model_info).prompt_token_ids == expected
 
 
@@ -245,11 +268,18 @@ def test_flow_without_workers_is_unavailable(model_info):
 
 def _fake_logprob(token_id: int, request) -> common_pb2.TokenLogprob:
     """A made-up but checkable log-probability (for requests that ask for them)."""
-    top = [common_pb2.TopLogprob(token_id=token_id + k, logprob=-0.5 - k) for k in range(request.sampling.logprobs)]
+    top = [
+        common_pb2.TopLogprob(token_id=token_id + k, logprob=-0.5 - k)
+        for k in range(request.sampling.logprobs)
+    ]
     return common_pb2.TokenLogprob(token_id=token_id, logprob=-0.5, rank=1, top=top)
 
 
-class FakePrefill(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.KVTransferServicer, worker_pb2_grpc.AdminServicer):
+class FakePrefill(
+    worker_pb2_grpc.PrefillServicer,
+    worker_pb2_grpc.KVTransferServicer,
+    worker_pb2_grpc.AdminServicer,
+):
     """Returns a canned first token (and `cached_tokens`); records requests and ReleaseKV calls;
     answers ResetPrefixCache with 7 blocks cleared."""
 
@@ -257,7 +287,9 @@ class FakePrefill(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.KVTransferSer
         self.source = ""
         self.reset([0])
 
-    def reset(self, first_token: list[int], finish_reason: str = "", error: grpc.StatusCode | None = None) -> None:
+    def reset(
+        self, first_token: list[int], finish_reason: str = "", error: grpc.StatusCode | None = None
+    ) -> None:
         self.first_token, self.finish_reason, self.error = first_token[0], finish_reason, error
         self.cached_tokens = 0
         self.requests: list[worker_pb2.PrefillRequest] = []
@@ -270,11 +302,19 @@ class FakePrefill(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.KVTransferSer
         handle = None
         if not self.finish_reason:
             handle = common_pb2.KVHandle(
-                request_id=request.request_id, engine_id="fake", block_ids=[0],
-                num_tokens=len(request.prompt_token_ids), first_token_id=self.first_token, source=self.source,
+                request_id=request.request_id,
+                engine_id="fake",
+                block_ids=[0],
+                num_tokens=len(request.prompt_token_ids),
+                first_token_id=self.first_token,
+                source=self.source,
             )
-        response = worker_pb2.PrefillResponse(first_token_id=self.first_token, finish_reason=self.finish_reason,
-                                              kv_handle=handle, num_cached_tokens=self.cached_tokens)
+        response = worker_pb2.PrefillResponse(
+            first_token_id=self.first_token,
+            finish_reason=self.finish_reason,
+            kv_handle=handle,
+            num_cached_tokens=self.cached_tokens,
+        )
         if request.sampling.HasField("logprobs"):
             response.first_logprob.CopyFrom(_fake_logprob(self.first_token, request))
         return response
@@ -293,8 +333,13 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
     def __init__(self) -> None:
         self.reset([])
 
-    def reset(self, messages: list[list[int]], finish_reason: str = "length", endless_token: int | None = None,
-              error: grpc.StatusCode | None = None) -> None:
+    def reset(
+        self,
+        messages: list[list[int]],
+        finish_reason: str = "length",
+        endless_token: int | None = None,
+        error: grpc.StatusCode | None = None,
+    ) -> None:
         self.messages, self.finish_reason = messages, finish_reason
         self.endless_token, self.error = endless_token, error
         self.requests: list[worker_pb2.DecodeRequest] = []
@@ -317,10 +362,14 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         request = self.requests[-1]
         for i, ids in enumerate(self.messages):
             last = i == len(self.messages) - 1 and self.endless_token is None
-            yield worker_pb2.DecodeResponse(token_ids=ids, finish_reason=self.finish_reason if last else "",
-                                            kv_transfer_seconds=KV_TRANSFER_SECONDS if i == 0 else 0.0,
-                                            logprobs=[_fake_logprob(t, request) for t in ids
-                                                      if request.sampling.HasField("logprobs")])
+            yield worker_pb2.DecodeResponse(
+                token_ids=ids,
+                finish_reason=self.finish_reason if last else "",
+                kv_transfer_seconds=KV_TRANSFER_SECONDS if i == 0 else 0.0,
+                logprobs=[
+                    _fake_logprob(t, request) for t in ids if request.sampling.HasField("logprobs")
+                ],
+            )
         give_up = time.monotonic() + CANCEL_WAIT_S
         while self.endless_token is not None and time.monotonic() < give_up:
             if not context.is_active():
@@ -341,18 +390,34 @@ def tokenizer(model_info):
 def cluster(model_info):
     """(router, fake prefill, fake decode) on loopback; the router serves gRPC and HTTP."""
     prefill, decode = FakePrefill(), FakeDecode()
-    prefill_service = start_service("prefill", [
-        (worker_pb2_grpc.add_PrefillServicer_to_server, prefill, "pdserve.v1.Prefill"),
-        (worker_pb2_grpc.add_KVTransferServicer_to_server, prefill, "pdserve.v1.KVTransfer"),
-        (worker_pb2_grpc.add_AdminServicer_to_server, prefill, "pdserve.v1.Admin"),
-    ], "127.0.0.1", 0, 0)
+    prefill_service = start_service(
+        "prefill",
+        [
+            (worker_pb2_grpc.add_PrefillServicer_to_server, prefill, "pdserve.v1.Prefill"),
+            (worker_pb2_grpc.add_KVTransferServicer_to_server, prefill, "pdserve.v1.KVTransfer"),
+            (worker_pb2_grpc.add_AdminServicer_to_server, prefill, "pdserve.v1.Admin"),
+        ],
+        "127.0.0.1",
+        0,
+        0,
+    )
     prefill.source = prefill_service.grpc_address
     decode_service = start_service(
-        "decode", [(worker_pb2_grpc.add_DecodeServicer_to_server, decode, "pdserve.v1.Decode")], "127.0.0.1", 0, 0
+        "decode",
+        [(worker_pb2_grpc.add_DecodeServicer_to_server, decode, "pdserve.v1.Decode")],
+        "127.0.0.1",
+        0,
+        0,
     )
     args = argparse.Namespace(
-        model=str(model_info.path), host="127.0.0.1", port=0, metrics_port=0, prefill=[prefill_service.grpc_address],
-        decode=[decode_service.grpc_address], request_timeout=30.0, http_port=0,
+        model=str(model_info.path),
+        host="127.0.0.1",
+        port=0,
+        metrics_port=0,
+        prefill=[prefill_service.grpc_address],
+        decode=[decode_service.grpc_address],
+        request_timeout=30.0,
+        http_port=0,
     )
     router = start_router(args)
     yield router, prefill, decode
@@ -402,7 +467,10 @@ def test_generate_streams_text_usage_and_timings(cluster, stub, tokenizer):
     assert last.finish_reason == "length" and all(not r.finish_reason for r in responses[:-1])
     prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
     assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_tokens) == (
-        len(prompt_ids), len(ids), 0)
+        len(prompt_ids),
+        len(ids),
+        0,
+    )
     assert last.timings.kv_transfer == pytest.approx(KV_TRANSFER_SECONDS)
     assert 0 < last.timings.ttft <= last.timings.e2e and last.timings.prefill > 0
     assert list(prefill.requests[0].prompt_token_ids) == prompt_ids
@@ -422,7 +490,9 @@ def test_concurrent_requests_share_the_tokenizer_safely(cluster, stub, tokenizer
     prompts = [f"{PROMPT} number {i} " * (1 + i % 7) for i in range(24)]
 
     def run(prompt: str) -> tuple[str, int]:
-        request = generate_pb2.GenerateRequest(text=prompt, sampling=common_pb2.SamplingParams(stop=["STOP"]))
+        request = generate_pb2.GenerateRequest(
+            text=prompt, sampling=common_pb2.SamplingParams(stop=["STOP"])
+        )
         responses = list(stub.Generate(request, timeout=30))
         return "".join(r.text for r in responses), responses[-1].usage.prompt_tokens
 
@@ -454,7 +524,10 @@ def test_first_token_that_finishes_skips_decode(cluster, stub, tokenizer):
     responses = list(stub.Generate(_request(max_tokens=1), timeout=30))
     assert len(responses) == 1
     assert (list(responses[0].token_ids), responses[0].text, responses[0].finish_reason) == (
-        ids[:1], tokenizer.decode(ids[:1]), "length")
+        ids[:1],
+        tokenizer.decode(ids[:1]),
+        "length",
+    )
     assert responses[0].usage.completion_tokens == 1 and decode.requests == []
 
 
@@ -464,7 +537,9 @@ def test_stop_string_in_first_token_releases_the_prefill_kv(cluster, stub, token
     responses = list(stub.Generate(_request(stop=["The"]), timeout=30))
     assert [(r.text, r.finish_reason) for r in responses] == [(" ", "stop")]
     _, prefill, decode = cluster
-    assert _wait_until(lambda: prefill.released == [prefill.requests[0].request_id])  # sent without waiting
+    assert _wait_until(
+        lambda: prefill.released == [prefill.requests[0].request_id]
+    )  # sent without waiting
     assert decode.requests == []
 
 
@@ -477,7 +552,10 @@ def test_client_cancel_cancels_the_decode_stream(cluster, stub, tokenizer):
     call.cancel()
     assert cluster[2].cancelled.wait(CANCEL_WAIT_S), "the router did not cancel the decode stream"
     deadline = time.monotonic() + 5
-    while _metric("pdserve_request_errors_total", code="CANCELLED") == cancelled and time.monotonic() < deadline:
+    while (
+        _metric("pdserve_request_errors_total", code="CANCELLED") == cancelled
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.02)
     assert _metric("pdserve_request_errors_total", code="CANCELLED") == cancelled + 1
 
@@ -546,14 +624,19 @@ def test_cancel_before_decode_releases_the_prefill_kv(cluster, model_info, token
     with pytest.raises(grpc.RpcError) as info:
         next(responses)
     assert info.value.code() == grpc.StatusCode.CANCELLED
-    assert _wait_until(lambda: prefill.released == [prefill.requests[0].request_id]) and decode.requests == []
+    assert (
+        _wait_until(lambda: prefill.released == [prefill.requests[0].request_id])
+        and decode.requests == []
+    )
 
 
 # ---------------------------------------------------------------- HTTP API
 
 
 def _post(url: str, body: dict) -> tuple[int, bytes]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as reply:
             return reply.status, reply.read()
@@ -564,7 +647,9 @@ def _post(url: str, body: dict) -> tuple[int, bytes]:
 def test_http_completion(cluster, tokenizer):
     ids = _completion_ids(tokenizer)
     _script(cluster, ids)
-    status, data = _post(cluster[0].http.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": len(ids)})
+    status, data = _post(
+        cluster[0].http.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": len(ids)}
+    )
     body = json.loads(data)
     assert status == 200 and body["object"] == "text_completion"
     assert body["choices"][0]["text"] == tokenizer.decode(ids)
@@ -575,9 +660,14 @@ def test_http_completion(cluster, tokenizer):
 def test_http_completion_stream(cluster, tokenizer):
     ids = _completion_ids(tokenizer)
     _script(cluster, ids)
-    payload = {"prompt": PROMPT, "stream": True, "stop": "STOP", "stream_options": {"include_usage": True}}
+    payload = {
+        "prompt": PROMPT,
+        "stream": True,
+        "stop": "STOP",
+        "stream_options": {"include_usage": True},
+    }
     status, data = _post(cluster[0].http.url + "/v1/completions", payload)
-    events = [line[len("data: "):] for line in data.decode().split("\n\n") if line]
+    events = [line[len("data: ") :] for line in data.decode().split("\n\n") if line]
     assert status == 200 and events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == " The answer is 42. "
@@ -592,8 +682,10 @@ def test_http_client_disconnect_cancels_the_decode_stream(cluster, tokenizer, st
     http = cluster[0].http
     body = json.dumps({"prompt": PROMPT, "max_tokens": 5000, "stream": stream}).encode()
     sock = socket.create_connection((http.host, http.port), timeout=30)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     if stream:
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # headers, then events follow
     assert _wait_until(lambda: cluster[2].requests)  # the decode stream is running
@@ -611,12 +703,18 @@ def _wait_until(predicate, timeout: float = 5.0) -> bool:
 def test_http_completion_logprobs(cluster, tokenizer):
     ids = _completion_ids(tokenizer)
     _script(cluster, ids)
-    status, data = _post(cluster[0].http.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": len(ids), "logprobs": 2})
+    status, data = _post(
+        cluster[0].http.url + "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": len(ids), "logprobs": 2},
+    )
     logprobs = json.loads(data)["choices"][0]["logprobs"]
     assert status == 200 and cluster[1].requests[0].sampling.logprobs == 2
     assert logprobs["tokens"] == [tokenizer.decode([t]) for t in ids]
     assert logprobs["token_logprobs"] == [-0.5] * len(ids)
-    assert logprobs["top_logprobs"][0] == {tokenizer.decode([ids[0]]): -0.5, tokenizer.decode([ids[0] + 1]): -1.5}
+    assert logprobs["top_logprobs"][0] == {
+        tokenizer.decode([ids[0]]): -0.5,
+        tokenizer.decode([ids[0] + 1]): -1.5,
+    }
     assert logprobs["text_offset"][1] == len(logprobs["tokens"][0])
 
 
@@ -624,12 +722,26 @@ def test_http_completion_logprobs(cluster, tokenizer):
 def test_http_chat_logprobs(cluster, tokenizer, stream):
     ids = _completion_ids(tokenizer)
     _script(cluster, ids)
-    payload = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1, "stream": stream}
+    payload = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "logprobs": True,
+        "top_logprobs": 1,
+        "stream": stream,
+    }
     status, data = _post(cluster[0].http.url + "/v1/chat/completions", payload)
     assert status == 200
     if stream:
-        chunks = [json.loads(line[len("data: "):]) for line in data.decode().split("\n\n") if line and "[DONE]" not in line]
-        content = [entry for c in chunks if c["choices"][0]["logprobs"] for entry in c["choices"][0]["logprobs"]["content"]]
+        chunks = [
+            json.loads(line[len("data: ") :])
+            for line in data.decode().split("\n\n")
+            if line and "[DONE]" not in line
+        ]
+        content = [
+            entry
+            for c in chunks
+            if c["choices"][0]["logprobs"]
+            for entry in c["choices"][0]["logprobs"]["content"]
+        ]
     else:
         content = json.loads(data)["choices"][0]["logprobs"]["content"]
     assert [entry["token"] for entry in content] == [tokenizer.decode([t]) for t in ids]
@@ -645,8 +757,10 @@ def test_http_chat_completion_uses_the_chat_template(cluster, model_info, tokeni
     body = json.loads(data)
     assert status == 200 and body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": tokenizer.decode(ids)}
-    expected = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                                add_special_tokens=False)
+    expected = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
     assert list(cluster[1].requests[0].prompt_token_ids) == expected
 
 
@@ -658,7 +772,11 @@ def test_http_chat_completion_uses_the_chat_template(cluster, model_info, tokeni
         ("/v1/completions", {"max_tokens": 4}, "prompt"),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+            "top_logprobs",
+        ),
         ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
         ("/v1/completions", {"prompt": PROMPT, "echo": True}, "echo"),
         ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
@@ -686,8 +804,10 @@ def test_http_health_and_models(cluster, model_info):
         assert reply.status == 200
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as reply:
         model = json.loads(reply.read())["data"][0]
-    assert model["id"] == str(model_info.path) and model["max_model_len"] == model_info.max_model_len
-    assert json.loads(cluster[0].ready_line()[len("ready "):])["http"] == url
+    assert (
+        model["id"] == str(model_info.path) and model["max_model_len"] == model_info.max_model_len
+    )
+    assert json.loads(cluster[0].ready_line()[len("ready ") :])["http"] == url
 
 
 def test_logprobs_follow_the_accepted_tokens(cluster, stub, tokenizer):
@@ -695,7 +815,9 @@ def test_logprobs_follow_the_accepted_tokens(cluster, stub, tokenizer):
     ids = _completion_ids(tokenizer)
     _script(cluster, ids, chunk=3)
     sampling = common_pb2.SamplingParams(max_tokens=len(ids), stop=["42"], logprobs=1)
-    messages = list(stub.Generate(generate_pb2.GenerateRequest(text=PROMPT, sampling=sampling), timeout=30))
+    messages = list(
+        stub.Generate(generate_pb2.GenerateRequest(text=PROMPT, sampling=sampling), timeout=30)
+    )
     tokens = [t for m in messages for t in m.token_ids]
     assert messages[-1].finish_reason == "stop" and len(tokens) < len(ids)
     assert [lp.token_id for m in messages for lp in m.logprobs] == tokens
@@ -705,8 +827,10 @@ def test_cache_salt_reaches_both_workers_and_cached_tokens_reach_usage(cluster, 
     ids = _completion_ids(tokenizer)
     _script(cluster, ids)
     cluster[1].cached_tokens = 32
-    status, data = _post(cluster[0].http.url + "/v1/completions",
-                         {"prompt": PROMPT, "max_tokens": len(ids), "cache_salt": "tenant-a"})
+    status, data = _post(
+        cluster[0].http.url + "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": len(ids), "cache_salt": "tenant-a"},
+    )
     assert status == 200
     assert json.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
     assert cluster[1].requests[-1].cache_salt == cluster[2].requests[-1].cache_salt == "tenant-a"
@@ -717,11 +841,16 @@ def test_router_reset_prefix_cache_names_the_workers_that_did_not_answer(cluster
     where it can and the caller learns which worker missed it."""
     channel = grpc.insecure_channel(cluster[0].service.grpc_address)
     with pytest.raises(grpc.RpcError) as failed:
-        worker_pb2_grpc.AdminStub(channel).ResetPrefixCache(worker_pb2.ResetPrefixCacheRequest(), timeout=10)
+        worker_pb2_grpc.AdminStub(channel).ResetPrefixCache(
+            worker_pb2.ResetPrefixCacheRequest(), timeout=10
+        )
     channel.close()
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     decode_address = cluster[0].flow.pool.decode[0]
-    assert "on 1 workers" in failed.value.details() and f"{decode_address} (UNIMPLEMENTED)" in failed.value.details()
+    assert (
+        "on 1 workers" in failed.value.details()
+        and f"{decode_address} (UNIMPLEMENTED)" in failed.value.details()
+    )
 
 
 def test_health_checks_take_a_worker_out_and_bring_it_back():

@@ -42,8 +42,14 @@ def _cpu_flags() -> str:
 
 def _build_dir() -> Path:
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(),
-                 platform.machine().encode(), _cpu_flags().encode(), " ".join(_CFLAGS).encode()):
+    for part in (
+        _SOURCE.read_bytes(),
+        torch.__version__.encode(),
+        sys.version.encode(),
+        platform.machine().encode(),
+        _cpu_flags().encode(),
+        " ".join(_CFLAGS).encode(),
+    ):
         key.update(part)
     path = cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}"
     path.mkdir(parents=True, exist_ok=True)
@@ -74,12 +80,19 @@ def load_paged_attention() -> ModuleType | None:
     build_dir = _build_dir()
     _clear_stale_lock(build_dir / "lock")
     if not any(build_dir.glob("*.so")):
-        print("pdserve: compiling the CPU paged-attention kernel once (about 30 s) into "
-              f"{build_dir}", file=sys.stderr, flush=True)
+        print(
+            f"pdserve: compiling the CPU paged-attention kernel once (about 30 s) into {build_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         return cpp_extension.load(
-            name="pdserve_paged_attention", sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir), verbose=False,
+            name="pdserve_paged_attention",
+            sources=[str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
         )
     except (RuntimeError, OSError, ImportError) as exc:  # no compiler, no ninja, build error
         logger.warning("CPU paged-attention kernel unavailable, using the torch path: %s", exc)

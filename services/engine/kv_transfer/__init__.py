@@ -6,6 +6,13 @@ from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
 from services.engine.kv_transfer.lease import LeaseTable, TransferStatus
 
 __all__ = [
-    "InMemoryKVTransfer", "KVHandle", "KVPeerInfo", "KVSource", "KVTransfer", "LeaseTable", "TransferStatus",
-    "check_compatible", "mismatches",
+    "InMemoryKVTransfer",
+    "KVHandle",
+    "KVPeerInfo",
+    "KVSource",
+    "KVTransfer",
+    "LeaseTable",
+    "TransferStatus",
+    "check_compatible",
+    "mismatches",
 ]

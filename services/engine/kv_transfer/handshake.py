@@ -37,7 +37,9 @@ class KVPeerInfo:
 
     @classmethod
     def of(cls, spec: KVCacheSpec, model_id: str) -> KVPeerInfo:
-        return cls(model_id, spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size)
+        return cls(
+            model_id, spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size
+        )
 
 
 def mismatches(source: KVPeerInfo, destination: KVPeerInfo) -> list[str]:
@@ -46,7 +48,8 @@ def mismatches(source: KVPeerInfo, destination: KVPeerInfo) -> list[str]:
     return [
         f"{f.name}: {_show(getattr(source, f.name))} at the source (prefill), "
         f"{_show(getattr(destination, f.name))} at the destination (decode)"
-        for f in fields(KVPeerInfo) if getattr(source, f.name) != getattr(destination, f.name)
+        for f in fields(KVPeerInfo)
+        if getattr(source, f.name) != getattr(destination, f.name)
     ]
 
 

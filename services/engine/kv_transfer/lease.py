@@ -112,7 +112,9 @@ class Lease:
         return self._end(TransferStatus.EXPIRED)
 
     def _end(self, status: TransferStatus) -> bool:
-        if self.status.is_ended or (self.ending is not None and self.status == TransferStatus.PULLING):
+        if self.status.is_ended or (
+            self.ending is not None and self.status == TransferStatus.PULLING
+        ):
             return False
         if self.status == TransferStatus.PULLING:
             self.ending = status  # the blocks are being read: end when the last pull does
@@ -126,14 +128,20 @@ class LeaseTable:
     """Every lease of one source, thread-safe (RPC threads renew and pull; the engine thread
     publishes, completes and expires). `clock` returns seconds (monotonic)."""
 
-    def __init__(self, lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if not lease_s > 0:
             raise ValueError(f"kv_lease_seconds: must be > 0, got {lease_s!r}")
         self.lease_s = lease_s
         self.clock = clock
         self._leases: dict[str, Lease] = {}  # not ended
-        self._ended: OrderedDict[str, tuple[float, Lease]] = OrderedDict()  # request_id -> (ended at, lease)
-        self._early: dict[str, float] = {}  # request_id -> when a completion came before its publish
+        self._ended: OrderedDict[str, tuple[float, Lease]] = (
+            OrderedDict()
+        )  # request_id -> (ended at, lease)
+        self._early: dict[
+            str, float
+        ] = {}  # request_id -> when a completion came before its publish
         self._lock = threading.Lock()
 
     def publish(self, request_id: str) -> bool:
@@ -211,7 +219,9 @@ class LeaseTable:
             raise RequestNotFoundError(f"KV of request {request_id!r} {why}")
         return lease
 
-    def _end(self, request_id: str, transition: Callable[[Lease], bool], remember_early: bool) -> bool:
+    def _end(
+        self, request_id: str, transition: Callable[[Lease], bool], remember_early: bool
+    ) -> bool:
         with self._lock:
             now = self.clock()
             lease = self._leases.get(request_id)

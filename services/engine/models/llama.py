@@ -28,7 +28,9 @@ def fuse_linear(*linears: nn.Linear) -> nn.Linear:
     fused.weight = nn.Parameter(weight, requires_grad=False)
     if any(has_bias):
         biases = [
-            linear.bias.detach() if linear.bias is not None else weight.new_zeros(linear.out_features)
+            linear.bias.detach()
+            if linear.bias is not None
+            else weight.new_zeros(linear.out_features)
             for linear in linears
         ]
         fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
@@ -64,12 +66,17 @@ class PagedLlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(FusedDecoderLayer(layer) for layer in inner.layers)
         self.norm = inner.norm
         self.rotary_emb = inner.rotary_emb
-        self.lm_head = pack_linear(hf_model.lm_head)  # a packed copy: embed_tokens keeps the tied weight
+        self.lm_head = pack_linear(
+            hf_model.lm_head
+        )  # a packed copy: embed_tokens keeps the tied weight
         self.attention = attention
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.qk_v_sizes = [(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim]
+        self.qk_v_sizes = [
+            (self.num_heads + self.num_kv_heads) * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        ]
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         return KVCacheSpec(len(self.layers), self.num_kv_heads, self.head_dim, block_size, dtype)

@@ -30,7 +30,9 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_SIZE_HINT))
+        self.register_buffer(
+            "packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_SIZE_HINT)
+        )
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
