@@ -121,7 +121,10 @@ def bench_dtype(args, path: str, dtype: str, batch_sizes: list[int]) -> list[dic
             theirs.append(run_transformers(hf, prompts, args.max_tokens))
         pd_wall, pd_out, steps = min(ours, key=lambda r: r[0])
         hf_wall, hf_out = min(theirs, key=lambda r: r[0])
-        verdicts = [judge(engine, hf, dtype, p, a, b) for p, a, b in zip(prompts, pd_out, hf_out)]
+        verdicts = [
+            judge(engine, hf, dtype, p, a, b)
+            for p, a, b in zip(prompts, pd_out, hf_out, strict=True)
+        ]
         num_tokens = batch * args.max_tokens
         row = {
             "dtype": dtype,
@@ -152,15 +155,17 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
     )
     for r in rows:
         print(
-            f"{r['dtype']:9s} {r['batch']:5d} {r['pdserve_tokens_per_s']:14.1f} {r['transformers_tokens_per_s']:9.1f} "
-            f"{r['ratio']:5.2f}x {r['pdserve_step_ms_median']:8.1f} {r['equivalent_outputs']:>5d}/{r['batch']}"
+            f"{r['dtype']:9s} {r['batch']:5d} {r['pdserve_tokens_per_s']:14.1f} "
+            f"{r['transformers_tokens_per_s']:9.1f} {r['ratio']:5.2f}x "
+            f"{r['pdserve_step_ms_median']:8.1f} {r['equivalent_outputs']:>5d}/{r['batch']}"
         )
     for r in rows:
         if r["batch"] == 1:
             bound = 1000 * r["weight_bytes"] / bandwidth
             print(
-                f"single request, {r['dtype']}: step {r['pdserve_step_ms_median']:.1f} ms; memory-bandwidth bound "
-                f"{bound:.1f} ms ({r['weight_bytes'] / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s copy)"
+                f"single request, {r['dtype']}: step {r['pdserve_step_ms_median']:.1f} ms; "
+                f"memory-bandwidth bound {bound:.1f} ms ({r['weight_bytes'] / 1e6:.0f} MB of "
+                f"weights at {bandwidth / 1e9:.1f} GB/s copy)"
             )
 
 
@@ -182,7 +187,8 @@ def main() -> None:
             / single["float32"]["transformers_tokens_per_s"]
         )
         print(
-            f"one bfloat16 request vs transformers float32: x{summary['bf16_single_vs_transformers_fp32']:.2f}"
+            "one bfloat16 request vs transformers float32: "
+            f"x{summary['bf16_single_vs_transformers_fp32']:.2f}"
         )
     write_result(
         "decode_throughput.py",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine import Engine, SamplingParams
+from services.engine import LLM, Engine, SamplingParams
 
 TIE_GAP = 1e-3
 TOP_K = 5
@@ -33,7 +33,7 @@ class Verdict:
 
 
 def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
-    for step, (a, b) in enumerate(zip(ours, theirs)):
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=False)):
         if a != b:
             return step
     return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
@@ -63,7 +63,7 @@ def judge(
             )
         return Verdict(False, step, gap < TIE_GAP, f"step {step}: reference top-2 gap {gap:.1e}")
     ref_top = set(logits.topk(TOP_K).indices.tolist())
-    [out] = engine.generate(
+    [out] = LLM(engine).generate(
         [context], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=TOP_K)
     )
     our_top = {token_id for token_id, _ in out.logprobs[0].top}

@@ -123,10 +123,10 @@ def bandwidth(args, prefill_address: str) -> dict:
     import grpc
     import torch
 
+    from services.common.channels import GRPC_OPTIONS
     from services.common.convert import handle_from_proto
     from services.common.kv_transfer_grpc import GrpcKVTransfer
     from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
-    from services.common.server import GRPC_OPTIONS
 
     prompt = text_ids(args.model, args.pull_tokens, offset=1000)
     stub = worker_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill_address))
@@ -234,21 +234,26 @@ def main() -> None:
         process.wait(timeout=60)
     mib = 1024 * 1024
     print(
-        f"\nKV pull of a {bw['prompt_tokens']}-token prompt ({bw['bytes'] / mib:.0f} MiB), median of {args.trials}:"
+        f"\nKV pull of a {bw['prompt_tokens']}-token prompt ({bw['bytes'] / mib:.0f} MiB), "
+        f"median of {args.trials}:"
     )
     print(
-        f"  bare grpcio byte stream (messages dropped)       {bw['bare_bytes_per_s'] / mib:8.0f} MiB/s"
+        "  bare grpcio byte stream (messages dropped)       "
+        f"{bw['bare_bytes_per_s'] / mib:8.0f} MiB/s"
     )
     print(
-        f"  pdserve gRPC KV path (written into a KV tensor)  {bw['grpc_path_bytes_per_s'] / mib:8.0f} MiB/s   "
+        "  pdserve gRPC KV path (written into a KV tensor)  "
+        f"{bw['grpc_path_bytes_per_s'] / mib:8.0f} MiB/s   "
         f"{bw['ratio']:.0%} of bare (target >= 80%)"
     )
     print(
-        "\nprompt tokens | KV MiB | TTFT ms | transfer ms | in TTFT | share if the first token waited"
+        "\nprompt tokens | KV MiB | TTFT ms | transfer ms | in TTFT | "
+        "share if the first token waited"
     )
     for row in shares:
         print(
-            f"{row['prompt_tokens']:13d} | {row['kv_bytes'] / mib:6.1f} | {row['ttft_s'] * 1e3:7.0f} | "
+            f"{row['prompt_tokens']:13d} | {row['kv_bytes'] / mib:6.1f} | "
+            f"{row['ttft_s'] * 1e3:7.0f} | "
             f"{row['kv_transfer_s'] * 1e3:11.1f} | {row['share_of_ttft']:7.0%} | "
             f"{row['share_if_first_token_waited']:.1%}"
         )

@@ -155,11 +155,11 @@ def memory_child(model: str, num_tokens: int, budget: int) -> dict:
     (memory measured on the first, time on both; the cache is reset in between)."""
     import gc
 
-    from services.engine import Engine, EngineConfig, SamplingParams
+    from services.engine import LLM, Engine, EngineConfig, SamplingParams
 
     engine = Engine(EngineConfig(model=model, max_num_batched_tokens=budget, seed=0))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    engine.generate([text_ids(model, 64, offset=30000)], params)
+    LLM(engine).generate([text_ids(model, 64, offset=30000)], params)
     prompt = text_ids(model, num_tokens)
     gc.collect()
     before = _rss_kib("VmRSS")
@@ -168,7 +168,7 @@ def memory_child(model: str, num_tokens: int, budget: int) -> dict:
     for _ in range(2):
         engine.reset_prefix_cache()
         start = time.perf_counter()
-        engine.generate([prompt], params)
+        LLM(engine).generate([prompt], params)
         times.append(time.perf_counter() - start)
         if len(times) == 1:
             peak = _rss_kib("VmHWM")
@@ -225,12 +225,14 @@ def main() -> None:
         print(json.dumps(memory_child(model, int(tokens), int(budget))))
         return
     print(
-        f"TTFT, {args.prefix_tokens}-token shared prefix + a new 12-token question ({args.trials} each):",
+        f"TTFT, {args.prefix_tokens}-token shared prefix + a new 12-token question "
+        f"({args.trials} each):",
         flush=True,
     )
     ttft = bench_ttft(args)
     print(
-        f"  cold {1000 * ttft['cold_ttft_median_s']:.0f} ms, warm {1000 * ttft['warm_ttft_median_s']:.0f} ms "
+        f"  cold {1000 * ttft['cold_ttft_median_s']:.0f} ms, "
+        f"warm {1000 * ttft['warm_ttft_median_s']:.0f} ms "
         f"(cached_tokens {ttft['warm_cached_tokens'][0]}): {ttft['speedup']:.1f}x",
         flush=True,
     )
@@ -238,16 +240,19 @@ def main() -> None:
     chunking = bench_chunking(args)
     print(f"\n{'measure':44s} {'baseline':>12s} {'pdserve':>12s} {'ratio':>8s}")
     print(
-        f"{'TTFT median (cold -> warm prefix cache)':44s} {1000 * ttft['cold_ttft_median_s']:10.0f}ms "
+        f"{'TTFT median (cold -> warm prefix cache)':44s} "
+        f"{1000 * ttft['cold_ttft_median_s']:10.0f}ms "
         f"{1000 * ttft['warm_ttft_median_s']:10.0f}ms {ttft['speedup']:7.1f}x"
     )
     u, c = chunking["unchunked"], chunking["chunked"]
     print(
-        f"{'peak memory added (unchunked -> chunked)':44s} {u['peak_added_bytes'] / 2**20:10.1f}MiB "
+        f"{'peak memory added (unchunked -> chunked)':44s} "
+        f"{u['peak_added_bytes'] / 2**20:10.1f}MiB "
         f"{c['peak_added_bytes'] / 2**20:10.1f}MiB {100 * chunking['memory_reduction']:6.0f}% less"
     )
     print(
-        f"{'prefill time (unchunked -> chunked)':44s} {u['prefill_seconds']:11.2f}s {c['prefill_seconds']:11.2f}s "
+        f"{'prefill time (unchunked -> chunked)':44s} {u['prefill_seconds']:11.2f}s "
+        f"{c['prefill_seconds']:11.2f}s "
         f"{chunking['time_ratio']:7.2f}x"
     )
     from report import write_result

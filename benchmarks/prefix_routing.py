@@ -126,7 +126,8 @@ def main() -> None:
             rows.append(run_policy(args, policy, redis_url, prompts, order))
             r = rows[-1]
             print(
-                f"  {policy:12s}: TTFT p50 {1000 * r['ttft_p50_s']:7.0f} ms, p90 {1000 * r['ttft_p90_s']:7.0f} ms, "
+                f"  {policy:12s}: TTFT p50 {1000 * r['ttft_p50_s']:7.0f} ms, "
+                f"p90 {1000 * r['ttft_p90_s']:7.0f} ms, "
                 f"hit rate {100 * r['hit_rate']:5.1f}%",
                 flush=True,
             )

@@ -13,4 +13,8 @@ if ! command -v redis-server >/dev/null && ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2
     fi
 fi
 . .venv/bin/activate
+# Lint and types first: CI fails on them as on a test (ruff rules and mypy settings: pyproject.toml).
+ruff check .
+ruff format --check .
+mypy
 python -m pytest -q "$@"

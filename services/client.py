@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.cli import parse_ids
+from services.common.channels import check_address
 from services.common.pb import (
     common_pb2,
     generate_pb2,
@@ -24,7 +25,6 @@ from services.common.pb import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.router.workers import check_address
 
 
 @dataclass

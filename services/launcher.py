@@ -4,7 +4,8 @@ Each service is a child process that prints one `ready {json}` stdout line once 
 requests. The supervisor starts the workers, waits for their ready lines, starts the router with
 their addresses, prints one aggregated ready line and then watches:
 - SIGINT/SIGTERM: SIGTERM every child, SIGKILL any still alive after `stop_timeout`, exit 0;
-- a child that exits on its own (or never becomes ready): stop the rest, exit 1 with its stderr tail;
+- a child that exits on its own (or never becomes ready): stop the rest, exit 1 with its stderr
+  tail;
 - the supervisor itself killed: every child gets SIGTERM from the kernel (PR_SET_PDEATHSIG).
 
 One thread: a selector loop reads every child's stdout and stderr (so no child ever blocks on a
@@ -14,9 +15,9 @@ carries only the ready line. No helper threads also means forking a child never 
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import ctypes.util
+import io
 import json
 import os
 import selectors
@@ -27,8 +28,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from services.placement import parse_cpu_list
+from services.common.config import ClusterConfig, to_json
 
 READY_PREFIX = "ready "
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -45,6 +47,7 @@ class ChildSpec:
     name: str  # "prefill-0", for log prefixes and messages
     role: str  # "router" | "prefill" | "decode"
     argv: list[str]
+    config: Any = None  # the role config `argv` hands the child (RouterConfig, PrefillConfig, ...)
 
 
 @dataclass(frozen=True)
@@ -57,96 +60,29 @@ class ClusterSpec:
     stop_timeout: float = 10.0  # seconds between SIGTERM and SIGKILL
 
 
-def _flags(**values: object) -> list[str]:
-    """--flag value pairs for the values that are not None (names: underscores -> dashes)."""
-    argv: list[str] = []
-    for name, value in values.items():
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    return argv
+def _command(role: str, config: Any) -> list[str]:
+    """`python -m services.cli ROLE --config-json ...`: the child gets its whole config."""
+    return [sys.executable, "-m", "services.cli", role, "--config-json", to_json(config)]
 
 
-def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
-    """`python -m services.cli prefill|decode ...` for one worker of `pdserve serve` (free ports)."""
-    argv = [sys.executable, "-m", "services.cli", role]
-    argv += _flags(
-        model=args.model,
-        host=args.host,
-        port=0,
-        metrics_port=0,
-        block_size=args.block_size,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        num_blocks=args.num_blocks,
-        kv_cache_bytes=args.kv_cache_memory_bytes,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        threads=getattr(args, f"{role}_threads"),
-        cpus=getattr(args, f"{role}_cpus"),
-    )
-    if not args.enable_prefix_caching:
-        argv.append("--no-enable-prefix-caching")
-    if role == "prefill":
-        return argv + _flags(
-            kv_lease_seconds=args.kv_lease_seconds,
-            redis_url=args.redis_url,
-            index_ttl=args.index_ttl,
-        )
-    return argv + _flags(
-        kv_transfer_timeout=args.kv_transfer_timeout,
-        max_num_waiting_for_kv=args.max_num_waiting_for_kv,
-    )
-
-
-def router_argv(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> list[str]:
-    """`python -m services.cli router ...` pointed at the given worker addresses."""
-    argv = [sys.executable, "-m", "services.cli", "router"]
-    argv += _flags(
-        model=args.model,
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        request_timeout=args.request_timeout,
-        http_port=args.http_port,
-        max_model_len=args.max_model_len,
-        routing=args.routing,
-        redis_url=args.redis_url,
-        index_ttl=args.index_ttl,
-    )
-    for address in prefill:
-        argv += ["--prefill", address]
-    for address in decode:
-        argv += ["--decode", address]
-    return argv
-
-
-def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
-    """The `pdserve serve` cluster; ValueError naming a bad flag before anything starts."""
-    for flag in ("num_prefill", "num_decode"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
-    for role in ("prefill", "decode"):
-        threads, cpus = getattr(args, f"{role}_threads"), getattr(args, f"{role}_cpus")
-        if threads is not None and threads < 1:
-            raise ValueError(f"--{role}-threads: must be >= 1, got {threads}")
-        if cpus is not None:
-            parse_cpu_list(cpus, flag=f"--{role}-cpus")
-    for flag in ("start_timeout", "index_ttl"):
-        if not getattr(args, flag) > 0:
-            raise ValueError(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag)}")
+def cluster_spec(config: ClusterConfig) -> ClusterSpec:
+    """The `pdserve serve` cluster: `num_prefill` + `num_decode` workers, each with the config
+    `config.prefill_config(i)` / `config.decode_config(i)` derives, then the router pointed at
+    their addresses."""
     workers = [
-        ChildSpec(f"prefill-{i}", "prefill", worker_argv(args, "prefill"))
-        for i in range(args.num_prefill)
+        ChildSpec(f"prefill-{i}", "prefill", _command("prefill", c), c)
+        for i, c in enumerate(config.prefill_config(i) for i in range(config.num_prefill))
     ]
     workers += [
-        ChildSpec(f"decode-{i}", "decode", worker_argv(args, "decode"))
-        for i in range(args.num_decode)
+        ChildSpec(f"decode-{i}", "decode", _command("decode", c), c)
+        for i, c in enumerate(config.decode_config(i) for i in range(config.num_decode))
     ]
-    return ClusterSpec(
-        workers,
-        lambda prefill, decode: ChildSpec("router", "router", router_argv(args, prefill, decode)),
-        start_timeout=args.start_timeout,
-    )
+
+    def router(prefill: list[str], decode: list[str]) -> ChildSpec:
+        router_config = config.router_config(prefill, decode)
+        return ChildSpec("router", "router", _command("router", router_config), router_config)
+
+    return ClusterSpec(workers, router, start_timeout=config.start_timeout)
 
 
 # --- children ------------------------------------------------------------------------------
@@ -196,6 +132,12 @@ class _Child:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def ready(self) -> dict:
+        """The JSON of its ready line (only once it printed one)."""
+        assert self.info is not None, f"{self.name} is not ready"
+        return self.info
+
     def describe(self, what: str) -> str:
         """ "NAME (pid N) WHAT; last stderr lines: ..." for an error message."""
         tail = "".join(f"\n  {line}" for line in self.stderr_tail)
@@ -223,6 +165,7 @@ class _Pipes:
         self._on_line = on_line
 
     def add(self, child: _Child) -> None:
+        assert child.proc.stdout is not None and child.proc.stderr is not None  # PIPEs
         self._selector.register(child.proc.stdout, selectors.EVENT_READ, (child, "stdout"))
         self._selector.register(child.proc.stderr, selectors.EVENT_READ, (child, "stderr"))
 
@@ -240,7 +183,7 @@ class _Pipes:
             buffered = self._partial.pop(key.fd, b"") + data
             if not data:  # EOF: the child closed the stream (usually: it exited)
                 self._selector.unregister(key.fileobj)
-                key.fileobj.close()
+                _close(key.fileobj)
                 lines = [buffered] if buffered else []
             else:
                 *lines, rest = buffered.split(b"\n")
@@ -254,7 +197,7 @@ class _Pipes:
     def close(self) -> None:
         for key in list(self._selector.get_map().values()):
             self._selector.unregister(key.fileobj)
-            key.fileobj.close()
+            _close(key.fileobj)
         self._selector.close()
 
 
@@ -282,7 +225,7 @@ class Supervisor:
             try:
                 self._wait_ready([self._start(spec) for spec in self.spec.workers])
                 addresses = {
-                    role: [c.info["grpc"] for c in self._children(role)]
+                    role: [c.ready["grpc"] for c in self._children(role)]
                     for role in ("prefill", "decode")
                 }
                 self._wait_ready(
@@ -301,20 +244,21 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def ready_info(self) -> dict:
-        """{"router": HOST:PORT, "http": URL or None, "services": [router, prefill..., decode...]}."""
+        """{"router": HOST:PORT, "http": URL or None, "services": [router, prefill...,
+        decode...]}."""
         [router] = self._children("router")
         services = [
             {
                 "role": c.spec.role,
-                "grpc": c.info["grpc"],
-                "metrics": c.info["metrics"],
-                "pid": c.info["pid"] if isinstance(c.info.get("pid"), int) else c.proc.pid,
+                "grpc": c.ready["grpc"],
+                "metrics": c.ready["metrics"],
+                "pid": c.ready["pid"] if isinstance(c.ready.get("pid"), int) else c.proc.pid,
             }
             for c in [router, *self._children("prefill"), *self._children("decode")]
         ]
         return {
-            "router": router.info["grpc"],
-            "http": router.info.get("http"),
+            "router": router.ready["grpc"],
+            "http": router.ready.get("http"),
             "services": services,
         }
 
@@ -360,7 +304,8 @@ class Supervisor:
             for child in self.children:
                 if child.proc.poll() is not None:
                     self._drain(child)
-                    what = f"exited with code {child.proc.returncode} while serving; stopping the cluster"
+                    code = child.proc.returncode
+                    what = f"exited with code {code} while serving; stopping the cluster"
                     _log(f"pdserve: error: {child.describe(what)}")
                     return 1
         return 0
@@ -399,6 +344,12 @@ class Supervisor:
             child.proc.wait()
             self._drain(child, limit=0.2)
         self._pipes.close()
+
+
+def _close(pipe: object) -> None:
+    """Close a registered pipe (always a child's stdout or stderr file object)."""
+    assert isinstance(pipe, io.IOBase)
+    pipe.close()
 
 
 def _parse_ready(line: str) -> dict | None:

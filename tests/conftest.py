@@ -82,7 +82,8 @@ def pytest_sessionfinish(session, exitstatus):
     early, total = reference.inconclusive_ratio()
     if total and early / total > 0.10:
         print(
-            f"\nEQUIVALENCE INCONCLUSIVE: {early}/{total} cases ended at a tie before half their tokens"
+            f"\nEQUIVALENCE INCONCLUSIVE: {early}/{total} cases ended at a tie before half "
+            "their tokens"
         )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     elif total:

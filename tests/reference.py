@@ -63,7 +63,7 @@ def hf_greedy(path: str, prompt_ids: list[int], max_tokens: int) -> Reference:
 
 def assert_equivalent(actual: list[int], ref: Reference, context: str = "") -> Verdict:
     """Apply the float32 equivalence rule; raises AssertionError on a real divergence."""
-    for step, (got, want) in enumerate(zip(actual, ref.token_ids)):
+    for step, (got, want) in enumerate(zip(actual, ref.token_ids, strict=False)):
         if got != want:
             if ref.top2_gaps[step] < TIE_GAP:
                 verdict = Verdict(len(ref.token_ids), step)
@@ -71,7 +71,8 @@ def assert_equivalent(actual: list[int], ref: Reference, context: str = "") -> V
                 return verdict
             raise AssertionError(
                 f"{context}: diverged at step {step}: got {got}, reference {want} "
-                f"(reference top-2 gap {ref.top2_gaps[step]:.2e})\n got: {actual}\n ref: {ref.token_ids}"
+                f"(reference top-2 gap {ref.top2_gaps[step]:.2e})\n got: {actual}\n "
+                f"ref: {ref.token_ids}"
             )
     assert len(actual) == len(ref.token_ids), (
         f"{context}: {len(actual)} tokens, reference {len(ref.token_ids)}"

@@ -1,18 +1,37 @@
-"""The one module that converts between protobuf messages and engine dataclasses."""
+"""The one module that converts between protobuf messages and engine dataclasses.
+
+Imports no torch: the router converts sampling parameters and logprobs; only the KV layout
+conversions (worker side) load torch, when first called.
+"""
 
 from __future__ import annotations
 
-import torch
+from functools import cache
+from typing import TYPE_CHECKING
 
 from services.common.pb import common_pb2
-from services.engine.kv_cache import KVCacheSpec
-from services.engine.kv_transfer.base import KV_TENSOR_LAYOUT, KVHandle
-from services.engine.kv_transfer.handshake import KVPeerInfo
-from services.engine.sampler import TokenLogprobs
+from services.engine.config import DTYPES
+from services.engine.kv_transfer.handle import KV_TENSOR_LAYOUT, KVHandle
+from services.engine.outputs import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+if TYPE_CHECKING:
+    import torch
+
+    from services.engine.kv_cache import KVCacheSpec
+    from services.engine.kv_transfer.handshake import KVPeerInfo
+
+
+@cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPES}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """ "float32" for torch.float32 (the KV dtypes only)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -80,19 +99,21 @@ def layout_to_proto(spec: KVCacheSpec) -> common_pb2.KVLayout:
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         block_size=spec.block_size,
-        dtype=_DTYPE_NAMES[spec.dtype],
+        dtype=dtype_name(spec.dtype),
         layout=KV_TENSOR_LAYOUT,
     )
 
 
 def layout_from_proto(msg: common_pb2.KVLayout) -> KVCacheSpec:
     """Raises ValueError for an unknown dtype or tensor layout."""
-    if msg.dtype not in _DTYPES:
+    from services.engine.kv_cache import KVCacheSpec
+
+    if msg.dtype not in DTYPES:
         raise ValueError(f"kv_layout.dtype: unknown {msg.dtype!r}")
     if msg.layout != KV_TENSOR_LAYOUT:
         raise ValueError(f"kv_layout.layout: expected {KV_TENSOR_LAYOUT!r}, got {msg.layout!r}")
     return KVCacheSpec(
-        msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, _DTYPES[msg.dtype]
+        msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, _torch_dtypes()[msg.dtype]
     )
 
 
@@ -103,7 +124,7 @@ def peer_info_to_proto(info: KVPeerInfo) -> tuple[str, common_pb2.KVLayout]:
         num_kv_heads=info.num_kv_heads,
         head_dim=info.head_dim,
         block_size=info.block_size,
-        dtype=_DTYPE_NAMES[info.dtype],
+        dtype=dtype_name(info.dtype),
         layout=info.layout,
     )
     return info.model_id, layout
@@ -112,18 +133,16 @@ def peer_info_to_proto(info: KVPeerInfo) -> tuple[str, common_pb2.KVLayout]:
 def peer_info_from_proto(model_id: str, msg: common_pb2.KVLayout) -> KVPeerInfo:
     """A peer's handshake fields, kept as sent (an unknown layout string is a mismatch to
     report, not a parse error); raises ValueError only for an unknown dtype name."""
-    if msg.dtype not in _DTYPES:
+    from services.engine.kv_transfer.handshake import KVPeerInfo
+
+    if msg.dtype not in DTYPES:
         raise ValueError(f"kv_layout.dtype: unknown {msg.dtype!r}")
     return KVPeerInfo(
         model_id,
-        _DTYPES[msg.dtype],
+        _torch_dtypes()[msg.dtype],
         msg.num_layers,
         msg.num_kv_heads,
         msg.head_dim,
         msg.block_size,
         msg.layout,
     )
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES[dtype]

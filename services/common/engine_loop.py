@@ -20,7 +20,7 @@ from typing import TypeVar
 from services.common import metrics
 from services.common.errors import ServiceUnavailableError
 from services.engine import Engine, SamplingParams
-from services.engine.kv_transfer.base import KVHandle
+from services.engine.kv_transfer.handle import KVHandle
 from services.engine.outputs import KVReserved, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -100,9 +100,12 @@ class EngineLoop:
         if self._stopped:
             raise ShuttingDownError("the worker is shutting down")
         future: Future = Future()
-        future.add_done_callback(
-            lambda f: f.exception() and logger.error("posted call failed: %r", f.exception())
-        )
+
+        def log_failure(f: Future) -> None:
+            if f.exception():
+                logger.error("posted call failed: %r", f.exception())
+
+        future.add_done_callback(log_failure)
         self._calls.put((fn, future))
 
     def submit(

@@ -44,7 +44,9 @@ class PeerUnavailableError(ServiceUnavailableError):
 def failed_peer(exc: grpc.RpcError) -> str | None:
     """The peer a PeerUnavailableError named in a call's trailing metadata, if any."""
     trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-    return next((value for key, value in trailing or () if key == FAILED_PEER_KEY), None)
+    # types-grpcio's `_Metadatum` lacks `__iter__`: at run time it is a (key, value) namedtuple.
+    found = (value for key, value in trailing or () if key == FAILED_PEER_KEY)  # type: ignore[misc, has-type]
+    return next(found, None)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -82,7 +82,8 @@ class KVEventPublisher:
             except PrefixIndexUnavailable as exc:
                 if not outage:
                     logger.warning(
-                        "prefix index unavailable (%s); routing falls back to load until it returns",
+                        "prefix index unavailable (%s); "
+                        "routing falls back to load until it returns",
                         exc,
                     )
                 in_sync, outage = False, True

@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from services.common import metrics
+from services.common.channels import ChannelCache, release_kv
 from services.common.convert import (
     handle_to_proto,
     layout_from_proto,
@@ -29,10 +30,9 @@ from services.common.convert import (
 )
 from services.common.kv_wire import chunk_tensor, decode_chunk
 from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.common.server import GRPC_OPTIONS
 from services.engine.errors import KVHandshakeError, KVTransferError, RequestNotFoundError
 from services.engine.kv_cache import KVCacheSpec
-from services.engine.kv_transfer.base import KVHandle
+from services.engine.kv_transfer.handle import KVHandle
 from services.engine.kv_transfer.handshake import KVPeerInfo, check_compatible
 from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
 from services.engine.kv_transfer.lease import DEFAULT_LEASE_S
@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 PULL_KV_METHOD = "/pdserve.v1.KVTransfer/PullKV"
 HANDSHAKE_TIMEOUT_S = 5.0
-RELEASE_TIMEOUT_S = 30.0  # a prefill worker answers between engine steps, which can take seconds
 RENEW_TICK_S = 0.05
 
 
@@ -69,7 +68,7 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         self.zero_block = zero_block
         self._addresses: dict[str, str] = {}  # request_id -> source address, while wanted
         self._peers: dict[tuple[str, str], float] = {}  # (address, engine_id) -> its lease seconds
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels = ChannelCache()
         self._lock = threading.Lock()
         self.pull_seconds: dict[str, float] = {}  # request_id -> seconds its last pull took
         self._renewer: threading.Thread | None = None
@@ -100,16 +99,10 @@ class GrpcKVTransfer(InMemoryKVTransfer):
     def close(self) -> None:
         """Stop the lease renewals and close every channel."""
         self._stop.set()
-        with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.close()
+        self._channels.close()
 
     def _channel(self, address: str) -> grpc.Channel:
-        with self._lock:
-            if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-            return self._channels[address]
+        return self._channels.get(address)
 
     def _stub(self, address: str) -> worker_pb2_grpc.KVTransferStub:
         return worker_pb2_grpc.KVTransferStub(self._channel(address))
@@ -304,17 +297,4 @@ class GrpcKVTransfer(InMemoryKVTransfer):
             address = self._addresses.pop(handle.request_id, None)
         if address is None:
             return
-        future = self._stub(address).ReleaseKV.future(
-            worker_pb2.ReleaseKVRequest(request_id=handle.request_id), timeout=RELEASE_TIMEOUT_S
-        )
-        future.add_done_callback(lambda done: _log_release(done, handle.request_id, address))
-
-
-def _log_release(done: grpc.Future, request_id: str, address: str) -> None:
-    if not done.cancelled() and done.exception() is not None:
-        logger.warning(
-            "ReleaseKV %s at %s failed: %s (the lease frees the blocks)",
-            request_id,
-            address,
-            done.exception().code().name,
-        )
+        release_kv(self._channels.get(address), handle.request_id, address)

@@ -135,7 +135,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
 def add_kv_transfer_servicer(servicer: KVTransferServicer, server: grpc.Server) -> None:
     """Register the KVTransfer service; as the generated `add_KVTransferServicer_to_server`, but
     PullKV's messages go out as the bytes `kv_wire.encode_chunk` made (no protobuf copy)."""
-    methods = {
+    methods: dict[str, grpc.RpcMethodHandler] = {
         "Handshake": grpc.unary_unary_rpc_method_handler(
             servicer.Handshake,
             worker_pb2.KVHandshakeRequest.FromString,

@@ -92,6 +92,8 @@ def decode_chunk(raw: bytes) -> tuple[ChunkHeader, memoryview]:
         raise ValueError("kv chunk: truncated message")
     layout = common_pb2.KVLayout.FromString(bytes(fields[1])) if 1 in fields else None
     data = fields.get(4, memoryview(b""))
+    if not isinstance(data, memoryview):
+        raise ValueError(f"kv chunk: unexpected wire type {_VARINT} for field 4")
     return ChunkHeader(int(fields.get(2, 0)), int(fields.get(3, 0)), layout), data
 
 

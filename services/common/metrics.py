@@ -1,4 +1,5 @@
-"""Prometheus metric definitions (ARCHITECTURE.md names: `pdserve_` prefix, base units, `role` label).
+"""Prometheus metric definitions (ARCHITECTURE.md names: `pdserve_` prefix, base units, `role`
+label).
 
 Every process has one registry; `start_metrics_server` exposes it on /metrics.
 """
@@ -69,8 +70,9 @@ KV_TRANSFER_BYTES = Counter(
 )
 KV_TRANSFER_FAILURES = Counter(
     "pdserve_kv_transfer_failures",
-    "Transfers that failed, by reason: unavailable, deadline_exceeded, not_found, handshake (refused "
-    "layouts), lease_expired (prefill: nobody pulled in time), kv_timeout (decode: KV never arrived).",
+    "Transfers that failed, by reason: unavailable, deadline_exceeded, not_found, handshake "
+    "(refused layouts), lease_expired (prefill: nobody pulled in time), kv_timeout (decode: KV "
+    "never arrived).",
     ["role", "reason"],
 )
 KV_FAILURE_REASONS = (

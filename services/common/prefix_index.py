@@ -52,7 +52,7 @@ class PrefixIndex(ABC):
         """For every live worker: how many of `block_hashes`, from the first on, it holds
         (counting stops at the first one it lacks)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a deliberate no-op default, not abstract
         """Release connections (no-op by default)."""
 
 

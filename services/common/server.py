@@ -1,4 +1,5 @@
-"""Starting a pdserve gRPC service: one error interceptor, health, reflection, /metrics, ready line."""
+"""Starting a pdserve gRPC service: one error interceptor, health, reflection, /metrics, ready
+line."""
 
 from __future__ import annotations
 
@@ -16,15 +17,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.channels import GRPC_OPTIONS
 from services.common.errors import ErrorInterceptor
 from services.common.metrics import start_metrics_server
 
-# KV chunks are at most 4 MiB of tensor bytes; leave room for the envelope.
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 # Servers also refuse a port another process already listens on (gRPC sets SO_REUSEPORT by
 # default, which would let two clusters silently share one port and split its clients).
 SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
@@ -60,7 +56,8 @@ def start_service(
     metrics_port: int,
     max_workers: int = 64,
 ) -> RunningService:
-    """Start a server with the given servicers: [(add_XServicer_to_server, servicer, full service name)].
+    """Start a server with the given servicers:
+    [(add_XServicer_to_server, servicer, full service name)].
 
     `max_workers` bounds concurrent RPCs (a streaming call holds a thread for its whole life).
 

@@ -1,51 +1,34 @@
-"""What the prefill and decode worker processes share: engine config from flags, info, the admin
-service, waiting for outputs, and cache salts from the wire."""
+"""What the prefill and decode worker processes share: info, the admin service, waiting for
+outputs, and cache salts from the wire."""
 
 from __future__ import annotations
 
-import argparse
 import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
+from services.common.config import WorkerConfig, to_json
 from services.common.convert import layout_to_proto
 from services.common.engine_loop import EngineLoop
 from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
-from services.engine import EngineConfig, EngineRole
+from services.common.server import RunningService, wait_for_termination
 from services.engine.outputs import RequestOutput
 
 _POLL_SECONDS = 0.05
 
 
-def engine_config(args: argparse.Namespace, role: EngineRole) -> EngineConfig:
-    """EngineConfig from the worker flags (ValueError names a bad field)."""
-    optional = {"engine_id": args.engine_id} if getattr(args, "engine_id", None) else {}
-    return EngineConfig(
-        model=args.model,
-        role=role,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        num_blocks=args.num_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
-        enable_kv_events=bool(getattr(args, "redis_url", None)),
-        kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout", 30.0),
-        max_num_waiting_for_kv=getattr(args, "max_num_waiting_for_kv", 64),
-        **optional,
-    )
-
-
-def worker_info(loop: EngineLoop, role: str) -> common_pb2.WorkerInfo:
+def worker_info(loop: EngineLoop, config: WorkerConfig) -> common_pb2.WorkerInfo:
     """A snapshot of the worker's engine, taken on the engine thread."""
 
     def snapshot() -> common_pb2.WorkerInfo:
         engine = loop.engine
         pool = engine.kv_cache.pool
         return common_pb2.WorkerInfo(
-            role=role,
+            role=config.role.value,
+            config_json=to_json(config),
             engine_id=engine.config.engine_id,
             model=engine.config.model,
             kv_layout=layout_to_proto(engine.kv_cache.spec),
@@ -68,8 +51,12 @@ def worker_info(loop: EngineLoop, role: str) -> common_pb2.WorkerInfo:
 class AdminServicer(worker_pb2_grpc.AdminServicer):
     """`Admin` on a worker: operator controls applied on the engine thread."""
 
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: EngineLoop, config: WorkerConfig) -> None:
         self.loop = loop
+        self.config = config
+
+    def GetInfo(self, request, context):  # noqa: N802 - gRPC method name
+        return worker_info(self.loop, self.config)
 
     def ResetPrefixCache(self, request, context):
         cleared = self.loop.call(self.loop.engine.reset_prefix_cache)
@@ -98,3 +85,34 @@ def next_output(stream: queue.Queue, context: grpc.ServicerContext) -> RequestOu
             raise item
         return item
     return None
+
+
+@dataclass
+class RunningWorker:
+    """A started worker: its gRPC service and engine loop, and how to drain and close it."""
+
+    service: RunningService
+    loop: EngineLoop
+    draining: threading.Event  # set on SIGTERM: the servicers refuse new requests
+    drained: Callable[[], bool]  # nothing left that a peer still needs from this worker
+    close: Callable[[], None]  # stops the engine loop and the worker's threads
+
+    def ready_line(self) -> str:
+        """`ready {json}` with role, grpc, metrics, pid and engine_id."""
+        return self.service.ready_line(engine_id=self.loop.engine.config.engine_id)
+
+    def serve_forever(self, drain_timeout: float) -> None:
+        """Print the ready line, block until SIGINT/SIGTERM, drain, close."""
+        print(self.ready_line(), flush=True)
+        wait_for_termination(
+            self.service,
+            on_stop=self.close,
+            draining=self.draining,
+            drained=self.drained,
+            drain_timeout=drain_timeout,
+        )
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop serving and close (tests, in-process deployments)."""
+        self.service.server.stop(grace).wait()
+        self.close()

@@ -13,26 +13,26 @@ or failed call frees the request's blocks at once.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import threading
 
 from services.common import metrics
+from services.common.config import DecodeConfig
 from services.common.convert import handle_from_proto, logprobs_to_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop, ShuttingDownError
 from services.common.errors import PeerUnavailableError, ServiceUnavailableError
 from services.common.kv_transfer_grpc import GrpcKVTransfer
 from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.common.server import start_service, wait_for_termination
+from services.common.server import start_service
 from services.common.worker import (
     AdminServicer,
+    RunningWorker,
     cache_salt,
-    engine_config,
     next_output,
     worker_info,
 )
-from services.engine import Engine, EngineRole
+from services.engine import Engine
 from services.engine.errors import InvalidRequestError, KVHandshakeError, KVTransferError
 from services.engine.outputs import KVReserved
 
@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
-    def __init__(self, loop: EngineLoop, transfer: GrpcKVTransfer) -> None:
+    def __init__(self, loop: EngineLoop, transfer: GrpcKVTransfer, config: DecodeConfig) -> None:
         self.loop = loop
+        self.config = config
         self.transfer = transfer
         self.draining = threading.Event()  # set on SIGTERM: new requests are refused
         self.num_streams = 0  # Decode calls in progress
@@ -85,7 +86,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 if out.finish_reason in ("error", "kv_timeout"):
                     raise self._kv_failure(request_id, source, out.finish_reason)
                 yield worker_pb2.DecodeResponse(
-                    # A request that ended at admission has only the prefill's first token: none new.
+                    # Ended at admission: only the prefill's first token, nothing new.
                     token_ids=out.new_token_ids if len(out.output_token_ids) > 1 else [],
                     finish_reason=out.finish_reason if out.finished else "",
                     kv_transfer_seconds=0.0
@@ -140,39 +141,46 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         )
 
     def GetInfo(self, request, context):
-        return worker_info(self.loop, "decode")
+        return worker_info(self.loop, self.config)
 
 
-def serve(args: argparse.Namespace) -> None:
-    """Start the decode worker, print its ready line, block until SIGINT/SIGTERM."""
+def start_decode(config: DecodeConfig) -> RunningWorker:
+    """Start the decode worker `config` describes and return once it accepts requests (what
+    `serve`, the tests and the Ray deployment call). Raises ValueError naming a bad field,
+    RuntimeError when a port cannot be bound."""
+    engine_config = config.engine_config()
     transfer = GrpcKVTransfer(
-        "decode", timeout_s=args.kv_transfer_timeout, zero_block=args.debug_zero_kv_block
+        "decode",
+        timeout_s=engine_config.kv_transfer_timeout_s,
+        zero_block=config.debug_zero_kv_block,
     )
-    engine = Engine(engine_config(args, EngineRole.DECODE), transfer)
+    engine = Engine(engine_config, transfer)
     loop = EngineLoop(engine, "decode")
-    decode = DecodeServicer(loop, transfer)
+    decode = DecodeServicer(loop, transfer, config)
     service = start_service(
         "decode",
         [
             (worker_pb2_grpc.add_DecodeServicer_to_server, decode, "pdserve.v1.Decode"),
-            (worker_pb2_grpc.add_AdminServicer_to_server, AdminServicer(loop), "pdserve.v1.Admin"),
+            (
+                worker_pb2_grpc.add_AdminServicer_to_server,
+                AdminServicer(loop, config),
+                "pdserve.v1.Admin",
+            ),
         ],
-        args.host,
-        args.port,
-        args.metrics_port,
-        max_workers=args.max_num_seqs + 64,  # every running request holds one streaming RPC
+        config.host,
+        config.port,
+        config.metrics_port,
+        max_workers=engine_config.max_num_seqs + 64,  # each running request holds one stream
     )
     loop.start()
-    print(service.ready_line(engine_id=engine.config.engine_id), flush=True)
 
-    def stop() -> None:
+    def close() -> None:
         loop.stop()
         transfer.close()
 
-    wait_for_termination(
-        service,
-        on_stop=stop,
-        draining=decode.draining,
-        drained=lambda: decode.num_streams == 0,
-        drain_timeout=args.drain_timeout,
-    )
+    return RunningWorker(service, loop, decode.draining, lambda: decode.num_streams == 0, close)
+
+
+def serve(config: DecodeConfig) -> None:
+    """Start the decode worker, print its ready line, block until SIGINT/SIGTERM, drain."""
+    start_decode(config).serve_forever(config.drain_timeout)

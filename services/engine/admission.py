@@ -7,7 +7,7 @@ import numbers
 from services.engine.block_hash import MAX_CACHE_SALT_BYTES
 from services.engine.config import EngineConfig, EngineRole
 from services.engine.errors import InvalidRequestError, ResourceExhaustedError
-from services.engine.kv_transfer.base import KVHandle
+from services.engine.kv_transfer.handle import KVHandle
 from services.engine.sampling_params import SamplingParams
 
 

@@ -16,6 +16,8 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from services.engine.config import ATTENTION_BACKENDS
+
 
 @dataclass(frozen=True)
 class PrefillSeq:
@@ -160,7 +162,8 @@ def _prefill_attention(q, k_cache, v_cache, seq: PrefillSeq, scale: float) -> to
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """The first `context_len` positions of one request: [1, num_kv_heads, context_len, head_dim]."""
+    """The first `context_len` positions of one request:
+    [1, num_kv_heads, context_len, head_dim]."""
     num_kv_heads, head_dim = cache.shape[2:]
     rows = cache.index_select(0, block_table).view(-1, num_kv_heads, head_dim)[:context_len]
     return rows.transpose(0, 1).unsqueeze(0)
@@ -219,7 +222,8 @@ _BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch_sdpa": TorchSDPABackend,
     "cpu_paged": CPUPagedBackend,
 }
-BACKEND_NAMES = ("auto", *_BACKENDS)
+BACKEND_NAMES = ATTENTION_BACKENDS
+assert set(BACKEND_NAMES) == {"auto", *_BACKENDS}, "config.ATTENTION_BACKENDS is out of date"
 
 
 def get_attention_backend(name: str, device: str) -> AttentionBackend:

@@ -3,9 +3,10 @@
 A block's hash chains its parent's: hash(parent block hash, model id, cache salt, the block's
 token ids), so equal hashes mean equal tokens from position 0 up to the block's end, for the same
 model and salt. Model id and salt enter every block as one fixed-size digest computed once per
-call (`extra_key`), so a long salt costs one hash, not one per block (vLLM v1's prefix-caching design; SGLang's radix tree reaches the same identity
-with a tree walk). SHA-256 over a fixed little-endian encoding makes hashes identical across
-processes and hosts; Python's `hash()` is salted per process and must never be used here.
+call (`extra_key`), so a long salt costs one hash, not one per block (vLLM v1's prefix-caching
+design; SGLang's radix tree reaches the same identity with a tree walk). SHA-256 over a fixed
+little-endian encoding makes hashes identical across processes and hosts; Python's `hash()` is
+salted per process and must never be used here.
 Only full blocks are hashed: a partial block's KV is not shareable.
 """
 

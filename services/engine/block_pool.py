@@ -213,7 +213,8 @@ class BlockPool:
                 raise RuntimeError(f"blocks both {name}: {sorted(group)[:8]}")
         if len(free) + len(cached) + len(used) != self.num_blocks:
             raise RuntimeError(
-                f"free {len(free)} + cached {len(cached)} + used {len(used)} != total {self.num_blocks}"
+                f"free {len(free)} + cached {len(cached)} + used {len(used)} "
+                f"!= total {self.num_blocks}"
             )
         if any(self._hash_of[b] is not None for b in free) or any(
             self._hash_of[b] is None for b in cached

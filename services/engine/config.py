@@ -1,16 +1,25 @@
-"""Engine configuration: one frozen, validated dataclass."""
+"""Engine configuration: one frozen, validated dataclass.
+
+Imports no torch: the router, the CLI and `pdserve --help` read it (flags are generated from its
+fields, `services/flags.py`); `torch_dtype` imports torch when an engine asks for it.
+"""
 
 from __future__ import annotations
 
 import enum
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from services.flags import flag
 
-from services.engine.attention import BACKEND_NAMES
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_paged")
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_KV_LEASE_S = 30.0
 
 
 class EngineRole(enum.Enum):
@@ -35,17 +44,17 @@ def _check_positive_int(name: str, value: object) -> None:
 class EngineConfig:
     """Everything an `Engine` needs; validated at construction (ValueError naming the field)."""
 
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     """Local Hugging Face folder or the name `smollm2-135m-instruct`."""
-    role: EngineRole = EngineRole.BOTH
+    role: EngineRole = field(default=EngineRole.BOTH, metadata=flag(cli=False))
     """BOTH, PREFILL or DECODE."""
     device: str = "cpu"
     """torch device string: "cpu" or "cuda[:N]"."""
-    dtype: str | None = None
+    dtype: str | None = field(default=None, metadata=flag(choices=DTYPES))
     """float32 | bfloat16 | float16; None picks `default_dtype(device)`."""
     block_size: int = 16
     """Tokens per KV block."""
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int = field(default=1 << 30, metadata=flag(name="kv-cache-bytes"))
     """Memory budget for K and V of all layers, in bytes; sets the number of blocks."""
     num_blocks: int | None = None
     """Exact number of KV blocks; overrides `kv_cache_memory_bytes` when set."""
@@ -57,21 +66,24 @@ class EngineConfig:
     """Most tokens (prompt + decode) computed in one step; a longer prompt is chunked."""
     seed: int | None = None
     """Seeds block-list shuffling and the seeds drawn for requests without one; None: random."""
-    shuffle_free_blocks: bool = False
+    shuffle_free_blocks: bool = field(default=False, metadata=flag(cli=False))
     """Hand out blocks in random order (tests use it to catch reads outside a block table)."""
     enable_prefix_caching: bool = True
     """Reuse the KV of cached full blocks across requests (automatic prefix caching)."""
-    enable_kv_events: bool = False
+    enable_kv_events: bool = field(default=False, metadata=flag(cli=False))
     """Record prefix-cache events (blocks stored / removed) for `Engine.take_kv_events`."""
-    attention_backend: str = "auto"
+    attention_backend: str = field(default="auto", metadata=flag(choices=ATTENTION_BACKENDS))
     """"torch_sdpa" (pure torch), "cpu_paged" (C++ paged decode kernel) or "auto" (cpu_paged on
     the CPU when its kernel builds, else torch_sdpa)."""
-    kv_transfer_timeout_s: float = 30.0
+    kv_transfer_timeout_s: float = field(default=30.0, metadata=flag(name="kv-transfer-timeout"))
     """DECODE role: seconds a request may wait for its prompt KV (blocks to reserve, then the
     pull) before it fails; the destination of a stalled transfer gives up after this long."""
     max_num_waiting_for_kv: int = 64
     """DECODE role: most requests queued for KV blocks when the cache is full; one more is
     refused with ResourceExhaustedError (RESOURCE_EXHAUSTED) instead of waiting unbounded."""
+    kv_lease_seconds: float = DEFAULT_KV_LEASE_S
+    """PREFILL role: seconds a finished request's prompt KV stays pinned without a renewal from
+    its decode worker; then its blocks are freed."""
     engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:12]}")
     """Name of this engine in KV handles; unique within a cluster (random by default)."""
 
@@ -82,8 +94,8 @@ class EngineConfig:
             raise ValueError(f"role: expected EngineRole, got {self.role!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {list(DTYPES)}, got {self.dtype!r}")
         for name in (
             "block_size",
             "max_num_seqs",
@@ -102,21 +114,21 @@ class EngineConfig:
             not isinstance(self.seed, int) or isinstance(self.seed, bool)
         ):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
-        if self.attention_backend not in BACKEND_NAMES:
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend: expected one of {list(BACKEND_NAMES)}, got {self.attention_backend!r}"
+                f"attention_backend: expected one of {list(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
             )
-        if not (
-            isinstance(self.kv_transfer_timeout_s, (int, float)) and self.kv_transfer_timeout_s > 0
-        ):
-            raise ValueError(
-                f"kv_transfer_timeout_s: must be > 0 seconds, got {self.kv_transfer_timeout_s!r}"
-            )
-        if not self.engine_id:
-            raise ValueError("engine_id: must not be empty")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device: {self.device!r} requested but CUDA is not available")
+        for name in ("kv_transfer_timeout_s", "kv_lease_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}: must be > 0 seconds, got {value!r}")
+        if not self.engine_id or not isinstance(self.engine_id, str):
+            raise ValueError("engine_id: must be a non-empty string")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype or default_dtype(self.device)]
+        """The dtype of weights and KV cache (imports torch)."""
+        import torch
+
+        return getattr(torch, self.dtype or default_dtype(self.device))

@@ -14,7 +14,6 @@ import uuid
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from services.engine.admission import RequestChecker
 from services.engine.block_hash import BlockHash
@@ -30,18 +29,14 @@ from services.engine.kv_events import KVEvent
 from services.engine.kv_transfer.base import KVHandle, KVSource, KVTransfer
 from services.engine.kv_transfer.handshake import KVPeerInfo
 from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
-from services.engine.loader import model_id, resolve_model
-from services.engine.model_runner import (
-    ModelRunner,
-    check_model_config,
-    load_model,
-    resolve_max_model_len,
-)
-from services.engine.outputs import CompletionOutput, KVReserved, RequestOutput
+from services.engine.loader import eos_token_id, load_model, model_id, model_limits, resolve_model
+from services.engine.model_runner import ModelRunner
+from services.engine.outputs import KVReserved, RequestOutput
 from services.engine.remote_kv import RemoteKV
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.tokenizer import Tokenizer
 
 
 class Engine(KVSource):
@@ -52,10 +47,9 @@ class Engine(KVSource):
 
     def __init__(self, config: EngineConfig, kv_transfer: KVTransfer | None = None) -> None:
         self.model_path = str(resolve_model(config.model))
-        hf_config, max_model_len = resolve_max_model_len(self.model_path, config.max_model_len)
-        check_model_config(hf_config, max_model_len)
+        _, max_model_len = model_limits(self.model_path, config.max_model_len)
         self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
-        self.model = load_model(self.model_path, config)
+        self.model, hf_config = load_model(self.model_path, config)
         spec = self.model.kv_cache_spec(config.block_size, config.torch_dtype)
         num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_cache_memory_bytes)
         self.model_id = model_id(Path(self.model_path))
@@ -72,9 +66,9 @@ class Engine(KVSource):
         self.scheduler = Scheduler(config, self.kv_cache, kv_ready=lambda r: self.remote.ready(r))
         self.remote = RemoteKV(self.kv_cache, self.scheduler, self.kv_transfer)
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
-        self.tokenizer = _load_tokenizer(self.model_path)
+        self.tokenizer = Tokenizer.load(self.model_path)
         self.checker = RequestChecker(config, self.runner.vocab_size, num_blocks, self.tokenizer)
-        self.eos_token_id = _eos_token_id(hf_config, self.tokenizer)
+        self.eos_token_id = eos_token_id(hf_config, self.tokenizer)
         self._kv_peer_info = KVPeerInfo.of(spec, self.model_id)
         self.kv_transfer.register_source(config.engine_id, self)
         self.requests: dict[str, Request] = {}
@@ -133,8 +127,10 @@ class Engine(KVSource):
             cache_salt,
         )
         if kv_handle is not None:
+            max_model_len = self.config.max_model_len
+            assert max_model_len is not None  # resolved in __init__
             request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-            request.append_output_token(kv_handle.first_token_id, self.config.max_model_len)
+            request.append_output_token(kv_handle.first_token_id, max_model_len)
             if request.status.is_finished:  # the first token already ended it: nothing to decode
                 self.kv_transfer.complete(kv_handle)
                 self.requests[request_id] = request
@@ -323,54 +319,7 @@ class Engine(KVSource):
         events.clear()
         return taken
 
-    # -- convenience ---------------------------------------------------------------------------
-
-    def generate(
-        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
-    ) -> list[CompletionOutput]:
-        """Run prompts to completion (BOTH role); outputs in prompt order."""
-        if self.config.role != EngineRole.BOTH:
-            raise InvalidRequestError(
-                "role", f"generate() needs a BOTH engine, not {self.config.role.name}"
-            )
-        if self.has_unfinished_requests():
-            raise InvalidRequestError(
-                "generate", "the engine has requests in flight; drive them with step()"
-            )
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise InvalidRequestError(
-                "sampling_params", f"{len(params_list)} for {len(prompts)} prompts"
-            )
-        ids: list[str] = []
-        try:
-            for prompt, sp in zip(prompts, params_list):
-                ids.append(self.add_request(prompt, sp))
-        except Exception:
-            for request_id in ids:  # all or nothing: a bad prompt leaves no request behind
-                self.abort(request_id)
-            raise
-        prompt_ids = {rid: list(self.requests[rid].prompt_token_ids) for rid in ids}
-        done: dict[str, RequestOutput] = {}
-        logprobs: dict[str, list] = {rid: [] for rid in ids}
-        while len(done) < len(ids):
-            for out in self.step():
-                if out.request_id in prompt_ids:
-                    logprobs[out.request_id].extend(out.new_logprobs)
-                    if out.finished:
-                        done[out.request_id] = out
-        return [
-            CompletionOutput(
-                rid,
-                prompt_ids[rid],
-                done[rid].output_token_ids,
-                self.decode(prompt_ids[rid], done[rid].output_token_ids),
-                done[rid].finish_reason,
-                tuple(logprobs[rid]),
-                done[rid].num_cached_tokens,
-            )
-            for rid in ids
-        ]
+    # -- text ---------------------------------------------------------------------------------
 
     def decode(self, prompt_ids: list[int], token_ids: list[int]) -> str | None:
         if self.tokenizer is None:
@@ -404,17 +353,3 @@ class Engine(KVSource):
             raise RuntimeError(
                 f"requests hold block {b} {refs[b]} times, its ref count is {pool.ref_count(b)}"
             )
-
-
-def _load_tokenizer(path: str):
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        return None  # random-weight test models ship no tokenizer
-
-
-def _eos_token_id(hf_config, tokenizer) -> int | None:
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    eos = getattr(hf_config, "eos_token_id", None)
-    return eos[0] if isinstance(eos, list) else eos

@@ -90,7 +90,8 @@ class KVCache:
         return self.model_id is not None
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+        """(k_cache, v_cache) of one layer, each
+        [num_blocks, block_size, num_kv_heads, head_dim]."""
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
 
     def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
@@ -118,7 +119,8 @@ class KVCache:
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()
     ) -> bool:
-        """Grow the block table to hold `num_new_tokens` more tokens; False (nothing taken) if short.
+        """Grow the block table to hold `num_new_tokens` more tokens; False (nothing taken) if
+        short.
 
         `cached_blocks` (from `get_computed_blocks`, for a request with no blocks yet) start the
         table as shared references; the new tokens then follow them. Cached blocks nobody else
@@ -169,13 +171,15 @@ class KVCache:
         request.num_hashed_blocks = num_full
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks (its one free path), tail first, and clear its block table."""
+        """Release the request's blocks (its one free path), tail first, and clear its block
+        table."""
         self.pool.free(request.block_table[::-1])
         request.block_table = []
         request.num_hashed_blocks = 0
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy of the given blocks: [num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]."""
+        """Copy of the given blocks:
+        [num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
         return self.kv.index_select(2, index)
 
@@ -190,7 +194,8 @@ class KVCache:
         else:
             array, runs = _as_numpy(self.kv), _runs(block_ids)
         return [
-            memoryview(array[layer, k, start : start + n])
+            # numpy's stubs give ndarray `__buffer__` only from Python 3.12; it has one on all.
+            memoryview(array[layer, k, start : start + n])  # type: ignore[arg-type]
             for layer in range(array.shape[0])
             for k in (0, 1)
             for start, n in runs

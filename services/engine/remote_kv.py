@@ -18,7 +18,8 @@ from services.engine.scheduler import RemoteLoad, Scheduler
 
 
 class RemoteKV:
-    """Reservations, claimed writes and admission-time loads of one DECODE engine (engine thread)."""
+    """Reservations, claimed writes and admission-time loads of one DECODE engine (engine
+    thread)."""
 
     def __init__(self, kv_cache: KVCache, scheduler: Scheduler, kv_transfer: KVTransfer) -> None:
         self.kv_cache = kv_cache
@@ -32,7 +33,7 @@ class RemoteKV:
         self.scheduler.reserve_waiting()
         reserved = []
         for request in self.scheduler.newly_reserved:
-            num_blocks = len(request.kv_handle.block_ids)
+            num_blocks = len(request.remote_handle.block_ids)
             block_ids = tuple(request.block_table[request.kv_first_block : num_blocks])
             reserved.append(KVReserved(request.request_id, request.kv_first_block, block_ids))
             if claim_writes:
@@ -52,16 +53,16 @@ class RemoteKV:
     def ready(self, request: Request) -> bool:
         """Whether a reserved request may be admitted: its KV landed, the local prefix cache
         holds it all, or the transfer can serve it now and nobody claimed the writing."""
-        if request.kv_landed or request.kv_first_block >= len(request.kv_handle.block_ids):
+        if request.kv_landed or request.kv_first_block >= len(request.remote_handle.block_ids):
             return True
         return request.request_id not in self._writing and self.kv_transfer.is_ready(
-            request.kv_handle
+            request.remote_handle
         )
 
     def end(self, request: Request, status: RequestStatus) -> None:
         """End a request whose KV never loaded: let the source unpin, and free the blocks now
         or, while a caller writes into them, when it reports back."""
-        self.kv_transfer.complete(request.kv_handle)
+        self.kv_transfer.complete(request.remote_handle)
         request.finish(status)
         writing = request.request_id in self._writing
         self.scheduler.remove_running(request, free=not writing)

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from services.engine.block_hash import BlockHash
-from services.engine.kv_transfer.base import KVHandle
+from services.engine.kv_transfer.handle import KVHandle
 from services.engine.sampler import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 
@@ -80,6 +80,12 @@ class Request:
     """DECODE role: monotonic time by which the prompt KV must have been loaded."""
     kv_landed: bool = False
     """DECODE role: a caller wrote the pulled prompt KV into the blocks (`Engine.kv_written`)."""
+
+    @property
+    def remote_handle(self) -> KVHandle:
+        """The KV handle of a DECODE request (only those have one)."""
+        assert self.kv_handle is not None, f"{self.request_id} has no KV handle"
+        return self.kv_handle
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -11,19 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.outputs import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over 63 bits
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Log-probabilities (natural log) of one sampled token under the model's raw distribution."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 + how many tokens had a strictly higher log-probability
-    top: tuple[tuple[int, float], ...]  # the `logprobs` most likely (token_id, logprob), best first
 
 
 @dataclass(frozen=True)
@@ -52,22 +43,24 @@ def _logprobs(
     logits: torch.Tensor, rows: list[SamplingRow], tokens: list[int]
 ) -> list[TokenLogprobs | None]:
     out: list[TokenLogprobs | None] = [None] * len(rows)
-    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    num_top = {i: n for i, row in enumerate(rows) if (n := row.params.logprobs) is not None}
+    wanted = list(num_top)
     if not wanted:
         return out
     logprobs = torch.log_softmax(logits[wanted], dim=-1)  # [len(wanted), vocab_size]
-    top_values, top_ids = logprobs.topk(max(rows[i].params.logprobs for i in wanted), dim=-1)
+    top_values, top_ids = logprobs.topk(max(num_top.values()), dim=-1)
     chosen = logprobs[torch.arange(len(wanted)), torch.tensor([tokens[i] for i in wanted])]
     ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
     for j, i in enumerate(wanted):
-        n = rows[i].params.logprobs
-        top = tuple(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist()))
+        n = num_top[i]
+        top = tuple(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist(), strict=True))
         out[i] = TokenLogprobs(tokens[i], float(chosen[j]), int(ranks[j]), top)
     return out
 
 
 def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
-    """logits: [vocab_size]. Top-k, then top-p (nucleus; Holtzman et al. 2020) on the tempered softmax."""
+    """logits: [vocab_size]. Top-k, then top-p (nucleus; Holtzman et al. 2020) on the tempered
+    softmax."""
     params = row.params
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[0]:

@@ -32,7 +32,8 @@ class SamplingParams:
     temperature: float = 1.0
     """0 (or below 1e-5) means greedy; otherwise logits are divided by it before softmax."""
     top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p; (0, 1]."""
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to >= top_p;
+    (0, 1]."""
     top_k: int = -1
     """Keep the k most likely tokens; 0 or -1 disables."""
     seed: int | None = None

@@ -29,7 +29,7 @@ from services.engine.block_hash import max_cached_blocks
 from services.engine.config import EngineConfig
 from services.engine.errors import ResourceExhaustedError
 from services.engine.kv_cache import KVCache
-from services.engine.kv_transfer.base import KVHandle
+from services.engine.kv_transfer.handle import KVHandle
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import SamplingRow, TokenLogprobs
 
@@ -47,7 +47,8 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class RemoteLoad:
-    """DECODE role: copy `handle`'s blocks into request `request_id`'s `block_ids` before the step."""
+    """DECODE role: copy `handle`'s blocks into request `request_id`'s `block_ids` before the
+    step."""
 
     request_id: str
     handle: KVHandle
@@ -121,7 +122,7 @@ class Scheduler:
         """Blocks for the whole prompt (filled by the transfer, or by the local prefix cache) and
         the first token; False (nothing taken) when the cache is short."""
         block_size = self.kv_cache.spec.block_size
-        num_prompt = request.kv_handle.num_tokens
+        num_prompt = request.remote_handle.num_tokens
         cached = self.kv_cache.get_computed_blocks(request, num_prompt // block_size)
         num_cached = len(cached) * block_size
         if not self.kv_cache.allocate_slots(request, request.num_tokens - num_cached, cached):
@@ -202,11 +203,11 @@ class Scheduler:
             if not self.kv_ready(request):
                 continue
             self.reserved.remove(request)
-            request.num_computed_tokens = request.kv_handle.num_tokens
+            request.num_computed_tokens = request.remote_handle.num_tokens
             out.remote_loads.append(
                 RemoteLoad(
                     request.request_id,
-                    request.kv_handle,
+                    request.remote_handle,
                     list(request.block_table),
                     request.kv_first_block,
                 )

@@ -1,18 +1,19 @@
 """Prefill worker process: a gRPC adapter around an engine in PREFILL role.
 
 Prefill runs the prompt, samples the first token, and keeps the prompt's blocks pinned under a
-lease (`--kv-lease-seconds`, default 30 s) that the decode worker renews while it wants them and
-ends with ReleaseKV; a lapsed lease frees them (`services/engine/kv_transfer/lease.py`).
+lease (`EngineConfig.kv_lease_seconds`, `--kv-lease-seconds`) that the decode worker renews while
+it wants them and ends with ReleaseKV; a lapsed lease frees them
+(`services/engine/kv_transfer/lease.py`).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 import uuid
 
 from services.common import metrics
+from services.common.config import PrefillConfig
 from services.common.convert import handle_to_proto, logprobs_to_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop
 from services.common.errors import ServiceUnavailableError
@@ -21,23 +22,24 @@ from services.common.kv_transfer_grpc import GrpcKVTransfer
 from services.common.kv_transfer_service import KVTransferServicer, add_kv_transfer_servicer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.prefix_index import make_prefix_index
-from services.common.server import start_service, wait_for_termination
+from services.common.server import start_service
 from services.common.worker import (
     AdminServicer,
+    RunningWorker,
     cache_salt,
-    engine_config,
     next_output,
     worker_info,
 )
-from services.engine import Engine, EngineRole
+from services.engine import Engine
 from services.engine.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: EngineLoop, config: PrefillConfig) -> None:
         self.loop = loop
+        self.config = config
         self.draining = threading.Event()  # set on SIGTERM: new requests are refused
         self.kv_address = ""  # HOST:PORT of this process's KVTransfer service, set once bound
 
@@ -74,13 +76,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         return response
 
     def GetInfo(self, request, context):
-        return worker_info(self.loop, "prefill")
+        return worker_info(self.loop, self.config)
 
 
-def serve(args: argparse.Namespace) -> None:
-    """Start the prefill worker, print its ready line, block until SIGINT/SIGTERM."""
-    transfer = GrpcKVTransfer("prefill", lease_s=args.kv_lease_seconds)
-    engine = Engine(engine_config(args, EngineRole.PREFILL), transfer)
+def start_prefill(config: PrefillConfig) -> RunningWorker:
+    """Start the prefill worker `config` describes and return once it accepts requests (what
+    `serve`, the tests and the Ray deployment call). Raises ValueError naming a bad field,
+    RuntimeError when a port cannot be bound."""
+    transfer = GrpcKVTransfer("prefill", lease_s=config.engine.kv_lease_seconds)
+    engine = Engine(config.engine_config(), transfer)
     loop = EngineLoop(engine, "prefill")
 
     def expire_leases() -> None:  # nobody renewed them: the decode worker (or router) is gone
@@ -89,48 +93,52 @@ def serve(args: argparse.Namespace) -> None:
             metrics.KV_TRANSFER_FAILURES.labels("prefill", "lease_expired").inc()
 
     loop.add_idle_hook(expire_leases)
-    prefill = PrefillServicer(loop)
+    prefill = PrefillServicer(loop, config)
     kv = KVTransferServicer(
-        transfer, loop.call, engine.kv_peer_info, stall_s=args.debug_kv_stall_seconds
+        transfer, loop.call, engine.kv_peer_info, stall_s=config.debug_kv_stall_seconds
     )
     service = start_service(
         "prefill",
         [
             (worker_pb2_grpc.add_PrefillServicer_to_server, prefill, "pdserve.v1.Prefill"),
             (add_kv_transfer_servicer, kv, "pdserve.v1.KVTransfer"),
-            (worker_pb2_grpc.add_AdminServicer_to_server, AdminServicer(loop), "pdserve.v1.Admin"),
+            (
+                worker_pb2_grpc.add_AdminServicer_to_server,
+                AdminServicer(loop, config),
+                "pdserve.v1.Admin",
+            ),
         ],
-        args.host,
-        args.port,
-        args.metrics_port,
+        config.host,
+        config.port,
+        config.metrics_port,
     )
     prefill.kv_address = service.grpc_address
     loop.start()
     publisher = None
-    if args.redis_url:  # exact prefix index: this worker's cache events, under its address
+    if config.index.redis_url:  # exact prefix index: this worker's cache events, its address
         index = make_prefix_index(
-            args.redis_url, engine.model_id, engine.config.block_size, args.index_ttl
+            config.index.redis_url,
+            engine.model_id,
+            engine.config.block_size,
+            config.index.index_ttl,
         )
         publisher = KVEventPublisher(
-            loop, index, service.grpc_address, heartbeat_s=args.index_ttl / 3
+            loop, index, service.grpc_address, heartbeat_s=config.index.index_ttl / 3
         )
         publisher.start()
 
-    def stop() -> None:
+    def close() -> None:
         if publisher is not None:
             publisher.stop()
         loop.stop()
         transfer.close()
 
-    print(service.ready_line(engine_id=engine.config.engine_id), flush=True)
-
     def drained() -> bool:  # nothing running, nothing pinned for a decode worker to pull
         return loop.call(lambda: not engine.has_unfinished_requests() and not engine.pinned)
 
-    wait_for_termination(
-        service,
-        on_stop=stop,
-        draining=prefill.draining,
-        drained=drained,
-        drain_timeout=args.drain_timeout,
-    )
+    return RunningWorker(service, loop, prefill.draining, drained, close)
+
+
+def serve(config: PrefillConfig) -> None:
+    """Start the prefill worker, print its ready line, block until SIGINT/SIGTERM, drain."""
+    start_prefill(config).serve_forever(config.drain_timeout)

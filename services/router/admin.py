@@ -1,27 +1,38 @@
-"""The router's `Admin` service: each operator call is applied to every worker it routes to."""
+"""The router's `Admin` service: its own info, and operator calls applied to every worker."""
 
 from __future__ import annotations
 
 import grpc
 
+from services.common.config import RouterConfig, to_json
 from services.common.errors import ServiceUnavailableError
-from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from services.router.prompt import ModelInfo
 from services.router.workers import WorkerPool
 
 ADMIN_TIMEOUT_S = 30.0
 
 
 class RouterAdminServicer(worker_pb2_grpc.AdminServicer):
-    """Fans `ResetPrefixCache` out to every prefill and decode worker and sums their replies.
-
-    Raises ServiceUnavailableError (-> UNAVAILABLE) naming the workers that did not answer; the
-    others are reset all the same.
+    """`GetInfo`: the router's role, model and config. `ResetPrefixCache`: fanned out to every
+    prefill and decode worker, their replies summed; raises ServiceUnavailableError
+    (-> UNAVAILABLE) naming the workers that did not answer (the others are reset all the same).
     """
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, config: RouterConfig, model: ModelInfo) -> None:
         self.pool = pool
+        self.info = common_pb2.WorkerInfo(
+            role="router",
+            model=config.model,
+            max_model_len=model.max_model_len,
+            vocab_size=model.vocab_size,
+            config_json=to_json(config),
+        )
 
-    def ResetPrefixCache(self, request, context):
+    def GetInfo(self, request, context):  # noqa: N802 - gRPC method name
+        return self.info
+
+    def ResetPrefixCache(self, request, context):  # noqa: N802 - gRPC method name
         timeout = min(ADMIN_TIMEOUT_S, context.time_remaining() or ADMIN_TIMEOUT_S)
         futures = {
             address: worker_pb2_grpc.AdminStub(self.pool.channel(address)).ResetPrefixCache.future(

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
+from typing import Protocol
 
 import grpc
 
+from services.common.channels import release_kv
+from services.common.config import RouterConfig
 from services.common.convert import sampling_to_proto
 from services.common.errors import (
     PeerUnavailableError,
@@ -44,12 +47,8 @@ from services.router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_REQUEST_TIMEOUT_S = 300.0
 # grpc reports a huge time_remaining (not None) for a call without a deadline.
 NO_CLIENT_DEADLINE_S = 1e8
-# ReleaseKV runs after the request is over (its deadline may have passed), on its own budget; a
-# prefill worker serves it between engine steps, which take seconds for long prompts.
-RELEASE_KV_TIMEOUT_S = 30.0
 
 
 class GenerateFlow:
@@ -63,7 +62,7 @@ class GenerateFlow:
         self,
         model: ModelInfo,
         pool: WorkerPool,
-        request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        request_timeout: float = RouterConfig.request_timeout,
         routing: Routing | None = None,
     ) -> None:
         if not request_timeout > 0:
@@ -85,7 +84,7 @@ class GenerateFlow:
         request: generate_pb2.GenerateRequest,
         deadline: float,
         scope: CancelScope | None = None,
-    ) -> Iterator[generate_pb2.GenerateResponse]:
+    ) -> Generator[generate_pb2.GenerateResponse, None, None]:
         """Streams the completion; the last message has finish_reason, usage and timings.
 
         Raises (when iterated): InvalidRequestError / ValueError for bad input (field named),
@@ -109,7 +108,8 @@ class GenerateFlow:
 
     @staticmethod
     def _failure_code(exc: BaseException, deadline: float) -> grpc.StatusCode:
-        """The code for the error counter; a cancel caused by the deadline counts as DEADLINE_EXCEEDED."""
+        """The code for the error counter; a cancel caused by the deadline counts as
+        DEADLINE_EXCEEDED."""
         code = grpc.StatusCode.CANCELLED if isinstance(exc, GeneratorExit) else status_for(exc)[0]
         if code == grpc.StatusCode.CANCELLED and time.monotonic() >= deadline:
             return grpc.StatusCode.DEADLINE_EXCEEDED
@@ -223,8 +223,9 @@ class _RequestRun:
         capacity = self.flow.pool.decode_capacity()
         if capacity is not None and needed > capacity:  # refused before any prefill work
             raise ResourceExhaustedError(
-                f"prompt ({len(prepared.prompt_token_ids)} tokens) + max_tokens ({prepared.params.max_tokens}) "
-                f"can never fit: the largest decode worker's KV cache holds {capacity} tokens per request"
+                f"prompt ({len(prepared.prompt_token_ids)} tokens) + "
+                f"max_tokens ({prepared.params.max_tokens}) can never fit: "
+                f"the largest decode worker's KV cache holds {capacity} tokens per request"
             )
         return prepared
 
@@ -376,30 +377,20 @@ class _RequestRun:
         lease frees it too). Sent without waiting: a busy worker answers between engine steps,
         and the request's thread has nothing to wait for."""
         try:
-            stub = self.flow.pool.kv_transfer_stub(source)
-            future = stub.ReleaseKV.future(
-                worker_pb2.ReleaseKVRequest(request_id=request_id), timeout=RELEASE_KV_TIMEOUT_S
-            )
+            release_kv(self.flow.pool.channel(source), request_id, source)
         except ValueError as exc:  # a malformed source address
             logger.warning("ReleaseKV(%s) at %r not sent: %s", request_id, source, exc)
-            return
-        future.add_done_callback(lambda done: _log_release_failure(done, request_id, source))
 
 
-def _log_release_failure(done: grpc.Future, request_id: str, source: str) -> None:
-    if done.cancelled() or done.exception() is None:
-        return
-    exc = done.exception()
-    code = exc.code().name if isinstance(exc, grpc.RpcError) else type(exc).__name__
-    logger.warning(
-        "ReleaseKV(%s) at %r failed: %s (the worker's lease frees the blocks)",
-        request_id,
-        source,
-        code,
-    )
+class _ResponseStream(Protocol):
+    """A response-streaming gRPC call: an iterator over its messages that can be cancelled."""
+
+    def __iter__(self) -> Iterator[object]: ...
+
+    def cancel(self) -> bool: ...
 
 
-def _drain(call: grpc.Call) -> None:
+def _drain(call: _ResponseStream) -> None:
     """Waits for the end of a decode stream whose last message was already received.
 
     A message after finish_reason is a worker bug: the call is cancelled instead of read on.

@@ -8,57 +8,20 @@ clamped silently.
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from transformers import AutoTokenizer
 
 from services.common.convert import sampling_from_proto
 from services.common.pb import generate_pb2
 from services.engine.admission import check_cache_salt, check_token_ids
 from services.engine.errors import InvalidRequestError
-from services.engine.loader import resolve_model
-from services.engine.model_runner import resolve_max_model_len
+from services.engine.loader import model_limits, resolve_model
 from services.engine.sampling_params import SamplingParams
+from services.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 CHAT_ROLES = ("system", "user", "assistant")
-
-
-class LockedTokenizer:
-    """A Hugging Face tokenizer whose calls are serialized by one lock.
-
-    Fast (Rust) tokenizers are not safe to call from many threads at once ("Already
-    borrowed"); the router serves every request on its own thread, so each call takes the lock.
-    Calls are short (one prompt, or a few ids for the detokenizer), so contention is small.
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._lock = threading.Lock()
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self._tokenizer, "chat_template", None))
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` without special tokens (the chat template adds its own)."""
-        with self._lock:
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text of `messages`, ending with the assistant's turn opener."""
-        with self._lock:
-            return self._tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-
-    def decode(self, token_ids: list[int], **kwargs: Any) -> str:
-        with self._lock:
-            return self._tokenizer.decode(token_ids, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -73,24 +36,25 @@ class ModelInfo:
     """Valid token ids are [0, vocab_size)."""
     max_model_len: int
     """Longest prompt + output in tokens; a prompt must be shorter."""
-    tokenizer: LockedTokenizer | None
+    tokenizer: Tokenizer | None
     """None for a folder without a tokenizer (then only token-id prompts work, text is empty)."""
 
     @classmethod
     def load(cls, model: str, max_model_len: int | None = None) -> ModelInfo:
-        """Reads config and tokenizer from `resolve_model(model)`.
+        """Reads config.json and the tokenizer (`services.engine.tokenizer`: Hugging Face
+        `tokenizers`, no torch) from `resolve_model(model)`.
 
         Raises ValueError (naming `model` or `max_model_len`) for an unknown model or a
         max_model_len beyond the model's positions; RuntimeError if the default model is missing.
         """
         path = resolve_model(model)
-        hf_config, limit = resolve_max_model_len(str(path), max_model_len)
-        try:
-            tokenizer = LockedTokenizer(AutoTokenizer.from_pretrained(path))
-        except (OSError, ValueError, TypeError):
+        vocab_size, limit = model_limits(path, max_model_len)
+        tokenizer = Tokenizer.load(path)
+        if tokenizer is None:
             logger.warning("model %s has no tokenizer: only token-id prompts are accepted", path)
-            tokenizer = None
-        return cls(model, path, int(hf_config.vocab_size), int(limit), tokenizer)
+        else:
+            tokenizer.prepare_chat_template()
+        return cls(model, path, vocab_size, limit, tokenizer)
 
 
 @dataclass(frozen=True)

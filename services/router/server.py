@@ -1,22 +1,23 @@
 """The router process: the public `Generation` gRPC service (+ optional OpenAI HTTP API).
 
-`serve(args)` starts it, prints one `ready {json}` line once requests are accepted, and blocks
-until SIGINT/SIGTERM. `start_router(args)` does the same without printing or blocking (tests).
+`serve(config)` starts it from a `RouterConfig`, prints one `ready {json}` line once requests are
+accepted, and blocks until SIGINT/SIGTERM. `start_router(config)` does the same without printing
+or blocking (tests, the Ray deployment).
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
 
+from services.common.config import RouterConfig
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2_grpc
 from services.common.server import RunningService, start_service, wait_for_termination
 from services.router.admin import RouterAdminServicer
 from services.router.cancel import CancelScope
-from services.router.generate import DEFAULT_REQUEST_TIMEOUT_S, GenerateFlow
+from services.router.generate import GenerateFlow
 from services.router.http_api import HttpApi
 from services.router.prompt import ModelInfo
 from services.router.routing import Routing
@@ -58,7 +59,7 @@ class RunningRouter:
         return self.service.ready_line(**({"http": self.http.url} if self.http else {}))
 
     def close(self) -> None:
-        """Stops the HTTP API and closes worker channels (the gRPC server is stopped by the caller)."""
+        """Stops the HTTP API and closes worker channels (the caller stops the gRPC server)."""
         if self.http is not None:
             self.http.close()
         self.flow.pool.close()
@@ -69,65 +70,48 @@ class RunningRouter:
         self.close()
 
 
-def build_flow(args: argparse.Namespace) -> GenerateFlow:
-    """Model info, worker pool and flow from `args` (see `serve`). ValueError names a bad field."""
-    model = ModelInfo.load(args.model, getattr(args, "max_model_len", None))
-    pool = WorkerPool(args.prefill or [], args.decode or [])
-    routing = Routing(
-        pool,
-        getattr(args, "routing", "kv"),
-        getattr(args, "redis_url", None),
-        getattr(args, "index_ttl", 10.0),
-    )
-    timeout = getattr(args, "request_timeout", None)
-    return GenerateFlow(
-        model, pool, DEFAULT_REQUEST_TIMEOUT_S if timeout is None else timeout, routing
-    )
+def build_flow(config: RouterConfig) -> GenerateFlow:
+    """Model info, worker pool and flow of a router. ValueError names a bad field."""
+    model = ModelInfo.load(config.model, config.max_model_len)
+    pool = WorkerPool(config.prefill, config.decode)
+    routing = Routing(pool, config.routing, config.index.redis_url, config.index.index_ttl)
+    return GenerateFlow(model, pool, config.request_timeout, routing)
 
 
-def start_router(args: argparse.Namespace) -> RunningRouter:
-    """Starts the router described by `args` (see `serve`) and returns once it accepts requests.
+def start_router(config: RouterConfig) -> RunningRouter:
+    """Starts the router `config` describes and returns once it accepts requests (what `serve`,
+    the tests and the Ray deployment call).
 
-    Raises ValueError for bad arguments, RuntimeError / OSError when a port cannot be bound.
+    Raises ValueError for a bad field, RuntimeError / OSError when a port cannot be bound.
     """
-    flow = build_flow(args)
+    flow = build_flow(config)
     flow.pool.start_health_checks()
     servicer = GenerationServicer(flow)
+    admin = RouterAdminServicer(flow.pool, config, flow.model)
     service = start_service(
         "router",
         [
             (generate_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME),
-            (
-                worker_pb2_grpc.add_AdminServicer_to_server,
-                RouterAdminServicer(flow.pool),
-                "pdserve.v1.Admin",
-            ),
+            (worker_pb2_grpc.add_AdminServicer_to_server, admin, "pdserve.v1.Admin"),
         ],
-        args.host,
-        args.port,
-        args.metrics_port,
+        config.host,
+        config.port,
+        config.metrics_port,
         max_workers=ROUTER_MAX_STREAMS,
     )
     http = None
-    http_port = getattr(args, "http_port", None)
-    if http_port is not None:
+    if config.http_port is not None:
         try:
-            http = HttpApi(flow, args.host, http_port, args.model)
+            http = HttpApi(flow, config.host, config.http_port, config.model)
         except OSError:
             service.server.stop(0)
             raise
     return RunningRouter(service, flow, http)
 
 
-def serve(args: argparse.Namespace) -> None:
-    """Runs the router until SIGINT/SIGTERM.
-
-    `args`: model (str: folder or known name), host (str), port (int, 0 = free), metrics_port
-    (int, 0 = free), prefill / decode (list of HOST:PORT), request_timeout (seconds for a client
-    without a deadline; default 300), http_port (int, 0 = free, or None for no HTTP API), and
-    optionally max_model_len (int or None: the model's positions).
-    Prints exactly one line, `ready {json}`, to stdout once requests are accepted.
-    """
-    router = start_router(args)
+def serve(config: RouterConfig) -> None:
+    """Runs the router until SIGINT/SIGTERM. Prints exactly one line, `ready {json}`, to stdout
+    once requests are accepted."""
+    router = start_router(config)
     print(router.ready_line(), flush=True)
     wait_for_termination(router.service, on_stop=router.close)

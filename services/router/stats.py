@@ -61,6 +61,7 @@ class RequestStats:
             self.first_token_at = now
             metrics.TIME_TO_FIRST_TOKEN.labels(ROLE).observe(now - self.start)
         else:
+            assert self.last_token_at is not None  # set together with first_token_at
             metrics.INTER_TOKEN_LATENCY.labels(ROLE).observe(now - self.last_token_at)
         self.last_token_at = now
         self.num_tokens += num_tokens

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.router.prompt import LockedTokenizer
+from services.engine.tokenizer import Tokenizer
 from services.router.stop import StopStringMatcher
 
 
@@ -33,7 +33,7 @@ class TextStream:
     """
 
     def __init__(
-        self, tokenizer: LockedTokenizer | None, prompt_token_ids: list[int], stop: tuple[str, ...]
+        self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], stop: tuple[str, ...]
     ) -> None:
         self._detokenizer = (
             IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None

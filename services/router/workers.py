@@ -20,19 +20,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import metrics
+from services.common.channels import ChannelCache, check_address
 from services.common.errors import ServiceUnavailableError
 from services.common.pb import common_pb2, worker_pb2_grpc
-from services.common.server import GRPC_OPTIONS
 
 CAPACITY_TIMEOUT_S = 5.0
 CAPACITY_RETRY_S = 10.0
-# A restarted worker is found within ~2 s, not after gRPC's default backoff of up to 120 s.
-ROUTER_CHANNEL_OPTIONS = [
-    *GRPC_OPTIONS,
-    ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
 HEALTH_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
 HEALTH_FAILURES = (
@@ -41,28 +34,20 @@ HEALTH_FAILURES = (
 logger = logging.getLogger(__name__)
 
 
-def check_address(address: str, field: str) -> str:
-    """Returns `address` if it looks like HOST:PORT (port 1-65535); ValueError naming `field`."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{field}: expected HOST:PORT, got {address!r}")
-    return address
-
-
 class WorkerPool:
     """Prefill and decode worker addresses (HOST:PORT) with one cached gRPC channel each.
 
     `healthy_prefill()` / `healthy_decode()` list the workers to route to (ServiceUnavailableError
-    when none is configured); `services.router.routing` picks among them. Channels (and stubs) are created on first
-    use and shared by every request: gRPC multiplexes concurrent calls over one connection.
-    Thread-safe.
+    when none is configured); `services.router.routing` picks among them. Channels (and stubs)
+    are created on first use and shared by every request: gRPC multiplexes concurrent calls over
+    one connection. Thread-safe.
     """
 
     def __init__(self, prefill: Iterable[str], decode: Iterable[str]) -> None:
         self.prefill = [check_address(a, "prefill") for a in prefill]
         self.decode = [check_address(a, "decode") for a in decode]
         self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels = ChannelCache()
         self._capacity: dict[str, int] = {}  # address -> tokens of KV one request can hold there
         self._capacity_retry_at: dict[
             str, float
@@ -120,7 +105,9 @@ class WorkerPool:
 
     def _serving(self, address: str, timeout_s: float) -> bool:
         try:
-            reply = health_pb2_grpc.HealthStub(self.channel(address)).Check(
+            stub = health_pb2_grpc.HealthStub(self.channel(address))
+            # types-grpcio-health-checking's HealthStub lacks the methods its __init__ adds.
+            reply = stub.Check(  # type: ignore[attr-defined]
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
             )
         except grpc.RpcError:
@@ -179,12 +166,7 @@ class WorkerPool:
 
     def channel(self, address: str) -> grpc.Channel:
         """The cached insecure channel to `address` (created on first use; any HOST:PORT)."""
-        with self._lock:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = grpc.insecure_channel(address, options=ROUTER_CHANNEL_OPTIONS)
-                self._channels[address] = channel
-            return channel
+        return self._channels.get(address)
 
     def prefill_stub(self, address: str) -> worker_pb2_grpc.PrefillStub:
         return worker_pb2_grpc.PrefillStub(self.channel(address))
@@ -221,7 +203,4 @@ class WorkerPool:
         """Stops health checks and closes every cached channel (in-flight calls on them fail
         with CANCELLED)."""
         self._stop.set()
-        with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.close()
+        self._channels.close()

@@ -34,7 +34,8 @@ class Proc:
 
 
 def start(*args: str) -> Proc:
-    """Run `pdserve ARGS`, wait for its `ready {json}` line (raises RuntimeError if it dies first)."""
+    """Run `pdserve ARGS`, wait for its `ready {json}` line (raises RuntimeError if it dies
+    first)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", *args],
         stdout=subprocess.PIPE,

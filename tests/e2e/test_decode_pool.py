@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.common.pb import common_pb2, generate_pb2
-from services.engine import SamplingParams
+from services.engine import LLM, SamplingParams
 from tests.e2e.cluster import generate, generation_stub, scrape, start, worker_info
 from tests.engine.helpers import make_engine, run_to_completion
 from tests.reference import assert_equivalent, hf_greedy
@@ -90,7 +90,7 @@ def test_preempted_decode_batch_keeps_every_output(pool, default_model, real_tex
         make_engine(default_model, num_blocks=512),
         {str(i): (p, params) for i, p in enumerate(prompts)},
     )
-    for i, (prompt, tokens) in enumerate(zip(prompts, outputs)):
+    for i, (prompt, tokens) in enumerate(zip(prompts, outputs, strict=True)):
         if tokens != roomy[str(i)]:  # batch shapes differ: judge by the equivalence rule
             assert_equivalent(tokens, hf_greedy(default_model, prompt, 24), f"request {i}")
     assert _settles_to(pool, (_state(pool)[0], 0, DECODE_BLOCKS))
@@ -194,7 +194,7 @@ def test_logprobs_through_the_cluster_match_the_engine(pool, default_model, real
     tokens = [t for m in messages for t in m.token_ids]
     logprobs = [lp for m in messages for lp in m.logprobs]
     assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
-    [expected] = make_engine(default_model).generate(
+    [expected] = LLM(make_engine(default_model)).generate(
         [prompt], SamplingParams(max_tokens=8, logprobs=3, **GREEDY)
     )
     assert tokens == expected.token_ids

@@ -392,7 +392,7 @@ def test_random_cancels_leave_no_pinned_or_leaked_blocks(default_model, real_tex
         assert len(outcomes) == 100 and outcomes.count("CANCELLED") >= 90, outcomes
         for proc, role in ((prefill, "prefill"), (decode, "decode")):
             _wait(
-                lambda: (
+                lambda proc=proc, role=role: (
                     lambda i: (
                         i.num_free_blocks == i.num_blocks
                         and i.num_pinned_blocks == 0

@@ -142,7 +142,7 @@ def test_redis_killed_and_restarted_mid_run_loses_no_request(cluster, redis_serv
     results = []
 
     def run(n: int) -> None:
-        for i in range(n):
+        for _ in range(n):
             results.append(_generate(cluster.stub, prefix + [400 + len(results)]))
 
     run(3)

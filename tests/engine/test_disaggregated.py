@@ -1,4 +1,5 @@
-"""A PREFILL engine and a DECODE engine joined by the in-memory transfer behave like one BOTH engine."""
+"""A PREFILL engine and a DECODE engine joined by the in-memory transfer behave like one BOTH
+engine."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 
 from services.engine import EngineRole, SamplingParams
 from services.engine.errors import InvalidRequestError, KVHandshakeError
-from services.engine.kv_transfer import InMemoryKVTransfer, TransferStatus
+from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
+from services.engine.kv_transfer.lease import TransferStatus
 from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 
 LENS = [1, 15, 16, 17, 33, 100]

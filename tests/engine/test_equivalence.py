@@ -40,7 +40,7 @@ def test_tiny_models_batched_mixed_lengths(tiny_model, block_size):
     budgets = [32, 7, 32, 12, 32, 3, 20, 32]
     requests = {
         f"r{i}": (p, SamplingParams(max_tokens=m, **GREEDY))
-        for i, (p, m) in enumerate(zip(prompts, budgets))
+        for i, (p, m) in enumerate(zip(prompts, budgets, strict=True))
     }
     outs, steps = run_to_completion(engine, requests)
     batch_sizes = [len(step) for step in steps]
@@ -58,7 +58,7 @@ def test_default_model(default_model, real_text_ids, max_tokens):
     prompts = [real_text_ids[1000 * i : 1000 * i + n] for i, n in enumerate(PROMPT_LENS)]
     requests = {
         f"r{n}": (p, SamplingParams(max_tokens=max_tokens, **GREEDY))
-        for n, p in zip(PROMPT_LENS, prompts)
+        for n, p in zip(PROMPT_LENS, prompts, strict=True)
     }
     outs, steps = run_to_completion(engine, requests)
     assert len(steps[0]) == len(PROMPT_LENS)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from services.engine import EngineRole, SamplingParams
 from services.engine.errors import RequestNotFoundError
-from services.engine.kv_transfer import InMemoryKVTransfer, LeaseTable, TransferStatus
+from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
+from services.engine.kv_transfer.lease import LeaseTable, TransferStatus
 from tests.engine.helpers import GREEDY, make_engine
 
 

@@ -7,7 +7,8 @@ import pytest
 
 from services.engine import EngineRole, SamplingParams
 from services.engine.errors import ResourceExhaustedError
-from services.engine.kv_transfer import InMemoryKVTransfer, TransferStatus
+from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
+from services.engine.kv_transfer.lease import TransferStatus
 from tests.engine.helpers import GREEDY, make_engine
 from tests.engine.test_kv_lease import FakeClock
 

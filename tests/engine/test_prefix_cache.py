@@ -14,7 +14,7 @@ from services.engine import EngineRole, SamplingParams, block_hash
 from services.engine.block_hash import ROOT_HASH, block_hashes
 from services.engine.errors import InvalidRequestError
 from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from services.engine.kv_transfer import InMemoryKVTransfer
+from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
 from tests.engine.helpers import GREEDY, make_engine
 from tests.reference import assert_equivalent, hf_greedy
 
@@ -229,9 +229,9 @@ def test_block_hashes_are_equal_across_processes(tiny_llama):
     script = (
         "import json, sys\n"
         "from tests.engine.helpers import GREEDY, make_engine\n"
-        "from services.engine import SamplingParams\n"
+        "from services.engine import LLM, SamplingParams\n"
         f"engine = make_engine({tiny_llama!r}, num_blocks=16, enable_kv_events=True)\n"
-        f"engine.generate([{prompt!r}], SamplingParams(max_tokens=1, **GREEDY))\n"
+        f"LLM(engine).generate([{prompt!r}], SamplingParams(max_tokens=1, **GREEDY))\n"
         "print(json.dumps([h.hex() for e in engine.take_kv_events() for h in e.block_hashes]))\n"
     )
     outputs = []

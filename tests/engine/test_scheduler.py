@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import SamplingParams
+from services.engine import LLM, SamplingParams
 from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 
 
@@ -95,22 +95,22 @@ def test_abort_running_and_waiting_requests_frees_blocks(tiny_llama):
 
 def test_eos_and_stop_token_ids_finish_with_stop(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=64)
-    (free_run,) = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=10, **GREEDY))
+    (free_run,) = LLM(engine).generate([[7, 8, 9]], SamplingParams(max_tokens=10, **GREEDY))
     stop_at = free_run.token_ids[3]
     first = free_run.token_ids.index(stop_at)
-    (stopped,) = engine.generate(
+    (stopped,) = LLM(engine).generate(
         [[7, 8, 9]],
         SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=(stop_at,)),
     )
     assert stopped.finish_reason == "stop" and stopped.token_ids == free_run.token_ids[: first + 1]
     engine.eos_token_id = stop_at
-    (eos,) = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=10, temperature=0))
+    (eos,) = LLM(engine).generate([[7, 8, 9]], SamplingParams(max_tokens=10, temperature=0))
     assert eos.finish_reason == "stop" and eos.token_ids[-1] == stop_at
 
 
 def test_max_model_len_caps_generation(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=64, max_model_len=20)
-    (out,) = engine.generate([list(range(2, 17))], SamplingParams(max_tokens=100, **GREEDY))
+    (out,) = LLM(engine).generate([list(range(2, 17))], SamplingParams(max_tokens=100, **GREEDY))
     assert out.finish_reason == "length" and len(out.token_ids) == 5
 
 

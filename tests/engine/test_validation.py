@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import MistralConfig, MistralForCausalLM
 
-from services.engine import Engine, EngineConfig, SamplingParams
+from services.engine import LLM, Engine, EngineConfig, SamplingParams
 from services.engine.errors import InvalidRequestError, ResourceExhaustedError
 from tests.engine.helpers import GREEDY, make_engine
 from tests.reference import assert_equivalent, hf_greedy
@@ -78,7 +78,7 @@ def test_bad_requests_are_refused_and_leave_no_trace(tiny_llama):
     with pytest.raises(InvalidRequestError, match="^request_id:"):
         engine.add_request([3, 4], SamplingParams(max_tokens=2), request_id="dup")
     engine.abort("dup")
-    (ok,) = [o for o in engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, **GREEDY))]
+    (ok,) = [o for o in LLM(engine).generate([[5, 6, 7]], SamplingParams(max_tokens=3, **GREEDY))]
     assert len(ok.token_ids) == 3
     while engine.has_unfinished_requests():
         engine.step()
@@ -121,14 +121,14 @@ def test_mistral_sliding_window(tmp_path):
         Engine(EngineConfig(model=str(tmp_path)))
     engine = make_engine(str(tmp_path), num_blocks=64, max_model_len=64)
     prompt = list(range(5, 40))
-    (out,) = engine.generate([prompt], SamplingParams(max_tokens=20, **GREEDY))
+    (out,) = LLM(engine).generate([prompt], SamplingParams(max_tokens=20, **GREEDY))
     assert_equivalent(out.token_ids, hf_greedy(str(tmp_path), prompt, 20), "mistral")
 
 
 def test_vanishing_temperature_is_greedy(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=64)
-    (greedy,) = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=8, **GREEDY))
-    (tiny,) = engine.generate(
+    (greedy,) = LLM(engine).generate([[4, 5, 6]], SamplingParams(max_tokens=8, **GREEDY))
+    (tiny,) = LLM(engine).generate(
         [[4, 5, 6]], SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True)
     )
     assert tiny.token_ids == greedy.token_ids
@@ -138,7 +138,7 @@ def test_generate_refuses_when_it_would_swallow_other_requests(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=64)
     engine.add_request([4, 5], SamplingParams(max_tokens=2), request_id="mine")
     with pytest.raises(InvalidRequestError, match="^generate:"):
-        engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2))
+        LLM(engine).generate([[4, 5, 6]], SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError, match="^request_id:"):
         engine.add_request([4, 5], SamplingParams(max_tokens=2), request_id="")
 
@@ -151,11 +151,11 @@ def test_kv_memory_budget_must_hold_a_block(tiny_llama):
 def test_generate_is_all_or_nothing(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=64)
     with pytest.raises(InvalidRequestError, match="^prompt_token_ids:"):
-        engine.generate([[3, 4, 5], [10**6]], SamplingParams(max_tokens=2))
+        LLM(engine).generate([[3, 4, 5], [10**6]], SamplingParams(max_tokens=2))
     assert not engine.has_unfinished_requests() and engine.kv_cache.pool.num_used_blocks == 0
     with pytest.raises(InvalidRequestError, match="^sampling_params:"):
-        engine.generate([[3], [4], [5]], [SamplingParams(max_tokens=2)])
-    (out,) = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=2))
+        LLM(engine).generate([[3], [4], [5]], [SamplingParams(max_tokens=2)])
+    (out,) = LLM(engine).generate([[3, 4, 5]], SamplingParams(max_tokens=2))
     assert len(out.token_ids) == 2
 
 
@@ -166,11 +166,20 @@ def test_generate_is_all_or_nothing(tiny_llama):
         (dict(block_size=True), "block_size"),
         (dict(seed=1.5), "seed"),
         (dict(max_model_len=100.5), "max_model_len"),
-        (dict(device="cuda"), "device"),
+        (dict(kv_lease_seconds=0), "kv_lease_seconds"),
+        (dict(device="tpu"), "device"),
     ],
 )
 def test_engine_config_types(kwargs, field):
-    if field == "device" and __import__("torch").cuda.is_available():
-        pytest.skip("CUDA present")
     with pytest.raises(ValueError, match=f"^{field}:"):
         EngineConfig(**kwargs)
+
+
+def test_cuda_device_without_cuda_is_refused_when_the_engine_starts(tiny_llama):
+    """A config is a plain description (the Ray driver builds GPU workers' configs on a machine
+    that may have no GPU); the engine that would run it refuses a missing device."""
+    if __import__("torch").cuda.is_available():
+        pytest.skip("CUDA present")
+    config = EngineConfig(model=tiny_llama, device="cuda")
+    with pytest.raises(ValueError, match="^device:"):
+        Engine(config)

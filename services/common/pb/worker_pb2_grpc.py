@@ -281,6 +281,11 @@ class AdminStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/pdserve.v1.Admin/GetInfo',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.WorkerInfo.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -295,6 +300,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInfo(self, request, context):
+        """This service: its role and effective config (WorkerInfo.config_json); a worker also fills
+        in its engine's figures, as its own GetInfo does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -302,6 +315,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.InfoRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.WorkerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -333,6 +351,33 @@ class Admin:
             '/pdserve.v1.Admin/ResetPrefixCache',
             pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/GetInfo',
+            pdserve_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,

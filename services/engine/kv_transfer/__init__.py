@@ -1,18 +1,6 @@
-"""KV transfer: how a PREFILL engine's blocks reach a DECODE engine."""
+"""KV transfer: how a PREFILL engine's blocks reach a DECODE engine.
 
-from services.engine.kv_transfer.base import KVHandle, KVSource, KVTransfer
-from services.engine.kv_transfer.handshake import KVPeerInfo, check_compatible, mismatches
-from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
-from services.engine.kv_transfer.lease import LeaseTable, TransferStatus
-
-__all__ = [
-    "InMemoryKVTransfer",
-    "KVHandle",
-    "KVPeerInfo",
-    "KVSource",
-    "KVTransfer",
-    "LeaseTable",
-    "TransferStatus",
-    "check_compatible",
-    "mismatches",
-]
+Modules: `handle` (KVHandle), `lease` (the source's pins), `handshake` (layout checks), `base`
+(the interfaces), `in_memory` (both ends in one process). Import them by module; this package
+file imports nothing, so `kv_transfer.handle` loads without torch.
+"""

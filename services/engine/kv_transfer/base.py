@@ -11,32 +11,15 @@ when it lapses.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from services.engine.kv_transfer.handle import KVHandle
+
 if TYPE_CHECKING:
     from services.engine.kv_transfer.handshake import KVPeerInfo
     from services.engine.kv_transfer.lease import TransferStatus
-
-# Axis order of every transferred tensor (C order), the KV cache's own layout per block.
-KV_TENSOR_LAYOUT = "layers,kv,blocks,block_size,kv_heads,head_dim"
-
-
-@dataclass(frozen=True)
-class KVHandle:
-    """Where a request's prompt KV lives on its source engine.
-
-    `num_tokens` prompt tokens have K/V in `block_ids` (in block-table order) on engine
-    `engine_id`; `first_token_id` is the token the prefill sampled from the prompt's last logits.
-    """
-
-    request_id: str
-    engine_id: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    first_token_id: int
 
 
 class KVSource(ABC):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.engine.errors import KVHandshakeError
-from services.engine.kv_transfer.base import KV_TENSOR_LAYOUT
+from services.engine.kv_transfer.handle import KV_TENSOR_LAYOUT
 
 if TYPE_CHECKING:
     from services.engine.kv_cache import KVCacheSpec

@@ -9,6 +9,9 @@ layer, and every matmul call saved is overhead saved.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any, cast
+
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
@@ -41,7 +44,9 @@ class FusedDecoderLayer(nn.Module):
     """One transformers decoder layer's weights: q/k/v and gate/up fused, every matmul packed for
     oneDNN where the device allows (`packed_linear`)."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: Any) -> None:
+        """`layer`: a transformers decoder layer of the family (duck-typed: each model type has
+        its own class)."""
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.input_layernorm = layer.input_layernorm
@@ -55,9 +60,11 @@ class FusedDecoderLayer(nn.Module):
 
 
 class PagedLlamaForCausalLM(nn.Module):
-    """Built from a transformers `*ForCausalLM` of the Llama family; forward takes a flattened batch."""
+    """Built from a transformers `*ForCausalLM` of the Llama family; forward takes a flattened
+    batch."""
 
-    def __init__(self, hf_model: nn.Module, attention: AttentionBackend) -> None:
+    def __init__(self, hf_model: Any, attention: AttentionBackend) -> None:
+        """`hf_model`: the transformers model (duck-typed like `FusedDecoderLayer`'s `layer`)."""
         super().__init__()
         config = hf_model.config
         self.config = config
@@ -98,7 +105,7 @@ class PagedLlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary_emb(hidden.unsqueeze(0), positions.unsqueeze(0))  # [1, T, head_dim]
         cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, head_dim]
-        for layer_idx, layer in enumerate(self.layers):
+        for layer_idx, layer in enumerate(cast("Iterable[FusedDecoderLayer]", self.layers)):
             residual = hidden
             hidden = layer.input_layernorm(hidden)
             hidden = self._attention(layer, hidden, cos, sin, kv_cache, layer_idx, meta)

@@ -73,7 +73,7 @@ def test_reserved_blocks_come_back_however_the_receiver_leaves(tiny_llama):
     back; blocks return to free when it reports, when it leaves without taking the reservation,
     and when the request timed out while the receiver was still writing."""
     from services.engine import EngineRole
-    from services.engine.kv_transfer import InMemoryKVTransfer
+    from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
     from services.engine.outputs import KVReserved
 
     transfer = InMemoryKVTransfer()

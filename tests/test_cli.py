@@ -17,11 +17,12 @@ import grpc
 import pytest
 
 from services import cli, launcher, placement
+from services.common.config import to_json
 from services.common.errors import ServiceUnavailableError
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.server import start_service
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
@@ -32,17 +33,23 @@ def parse(*argv: str):
 # --- flags ---------------------------------------------------------------------------------
 
 
+def config(*argv: str):
+    """The role config a service command's flags describe."""
+    return cli.service_config(parse(*argv))
+
+
 def test_serve_contract_flags_and_defaults():
-    args = parse("serve")
-    assert (args.model, args.host, args.port, args.http_port) == (
+    c = config("serve")
+    assert (c.engine.model, c.router.host, c.router.port, c.router.http_port) == (
         "smollm2-135m-instruct",
         "127.0.0.1",
         50051,
         8000,
     )
-    assert (args.num_prefill, args.num_decode, args.block_size) == (1, 1, 16)
-    assert (args.dtype, args.max_model_len, args.start_timeout) == (None, None, 120.0)
-    args = parse(
+    assert (c.num_prefill, c.num_decode, c.engine.block_size) == (1, 1, 16)
+    assert (c.engine.dtype, c.engine.max_model_len, c.start_timeout) == (None, None, 120.0)
+    # the flags of the CLI contract, each landing in its field
+    c = config(
         "serve",
         "--model",
         "/m",
@@ -70,47 +77,44 @@ def test_serve_contract_flags_and_defaults():
         "0-1",
         "--decode-cpus",
         "1",
+        "--redis-url",
+        "redis://h:1/0",
     )
-    assert (
-        args.model,
-        args.host,
-        args.port,
-        args.http_port,
-        args.num_prefill,
-        args.num_decode,
-    ) == ("/m", "0.0.0.0", 1, 2, 3, 4)
-    assert (args.block_size, args.dtype, args.max_model_len) == (32, "bfloat16", 512)
-    assert (args.prefill_threads, args.decode_threads, args.prefill_cpus, args.decode_cpus) == (
+    assert (c.engine.model, c.router.host, c.router.port, c.router.http_port) == (
+        "/m",
+        "0.0.0.0",
+        1,
+        2,
+    )
+    assert (c.num_prefill, c.num_decode, c.index.redis_url) == (3, 4, "redis://h:1/0")
+    assert (c.engine.block_size, c.engine.dtype, c.engine.max_model_len) == (32, "bfloat16", 512)
+    assert (c.prefill.threads, c.decode.threads, c.prefill.cpus, c.decode.cpus) == (
         2,
         1,
         "0-1",
         "1",
     )
-    assert parse("serve", "--no-http").http_port is None
+    assert config("serve", "--no-http").router.http_port is None
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_worker_flags_and_defaults(role):
-    args = parse(role)
-    assert (args.model, args.host, args.port, args.metrics_port) == (
+    c = config(role)
+    assert (c.engine.model, c.host, c.port, c.metrics_port) == (
         "smollm2-135m-instruct",
         "127.0.0.1",
         0,
         0,
     )
-    assert (args.block_size, args.dtype, args.max_model_len, args.num_blocks) == (
-        16,
-        None,
-        None,
-        None,
-    )
-    assert (args.kv_cache_memory_bytes, args.max_num_seqs, args.max_num_batched_tokens) == (
+    e = c.engine
+    assert (e.block_size, e.dtype, e.max_model_len, e.num_blocks) == (16, None, None, None)
+    assert (e.kv_cache_memory_bytes, e.max_num_seqs, e.max_num_batched_tokens) == (
         1 << 30,
         256,
         8192,
     )
-    assert (args.threads, args.cpus, args.engine_id) == (None, None, None)
-    args = parse(
+    assert (c.threads, c.cpus, c.engine_config().role.value) == (None, None, role)
+    c = config(
         role,
         "--kv-cache-bytes",
         "1000",
@@ -125,41 +129,47 @@ def test_worker_flags_and_defaults(role):
         "--dtype",
         "float16",
     )
-    assert (args.kv_cache_memory_bytes, args.threads, args.cpus, args.engine_id) == (
+    assert (c.engine.kv_cache_memory_bytes, c.threads, c.cpus, c.engine.engine_id) == (
         1000,
         2,
         "0,1",
         "e1",
     )
-    assert (args.num_blocks, args.dtype) == (64, "float16")
+    assert (c.engine.num_blocks, c.engine.dtype) == (64, "float16")
+    help_text = cli._parser()._subparsers._group_actions[0].choices[role].format_help()
     if role == "prefill":
-        assert args.kv_lease_seconds == 30.0 and not hasattr(args, "kv_transfer_timeout")
+        assert config(role, "--kv-lease-seconds", "5").engine.kv_lease_seconds == 5.0
+        assert "--kv-transfer-timeout" not in help_text
     else:
-        assert (args.kv_transfer_timeout, args.debug_zero_kv_block) == (30.0, None)
-        assert parse("decode", "--debug-zero-kv-block", "3").debug_zero_kv_block == 3
-        assert (
-            "debug-zero-kv-block"
-            not in cli._parser()._subparsers._group_actions[0].choices["decode"].format_help()
-        )
+        assert config(role, "--kv-transfer-timeout", "2").engine.kv_transfer_timeout_s == 2.0
+        assert config("decode", "--debug-zero-kv-block", "3").debug_zero_kv_block == 3
+        assert "debug-zero-kv-block" not in help_text and "--kv-lease-seconds" not in help_text
 
 
-def test_router_flags_and_defaults(capsys):
-    args = parse("router", "--prefill", "h:1", "--prefill", "h:2", "--decode", "h:3")
-    assert (args.model, args.host, args.port, args.metrics_port) == (
+def test_router_flags_and_defaults():
+    c = config("router", "--prefill", "h:1", "--prefill", "h:2", "--decode", "h:3")
+    assert (c.model, c.host, c.port, c.metrics_port) == (
         "smollm2-135m-instruct",
         "127.0.0.1",
         50051,
         0,
     )
-    assert (args.prefill, args.decode, args.request_timeout, args.http_port) == (
-        ["h:1", "h:2"],
-        ["h:3"],
+    assert (c.prefill, c.decode, c.request_timeout, c.http_port) == (
+        ("h:1", "h:2"),
+        ("h:3",),
         300.0,
         None,
     )
-    with pytest.raises(SystemExit):
-        parse("router", "--prefill", "h:1")  # a router needs decode workers too
-    assert "--decode" in capsys.readouterr().err
+    assert config("router", "--routing", "round_robin").routing == "round_robin"
+
+
+def test_config_json_round_trips_and_replaces_the_flags():
+    c = config("serve", "--block-size", "32", "--prefill-threads", "1", "--no-http")
+    child = c.prefill_config(0)
+    assert config("prefill", "--config-json", to_json(child)) == child
+    assert config("serve", "--config-json", to_json(c)) == c
+    with pytest.raises(ValueError, match="^bogus: not a field of RouterConfig"):
+        config("router", "--config-json", '{"bogus": 1}')
 
 
 def test_generate_contract_flags_and_defaults(capsys):
@@ -229,8 +239,8 @@ def test_help_imports_no_heavy_packages():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, check=True, timeout=60)
 
 
-def test_serve_passes_flags_to_its_children():
-    args = parse(
+def test_serve_passes_its_configs_to_its_children():
+    c = config(
         "serve",
         "--model",
         "/m",
@@ -252,37 +262,40 @@ def test_serve_passes_flags_to_its_children():
         "6000",
         "--kv-transfer-timeout",
         "2",
+        "--routing",
+        "least_loaded",
     )
-    spec = launcher.cluster_spec_from_args(args)
+    spec = launcher.cluster_spec(c)
     assert [(w.name, w.role) for w in spec.workers] == [
         ("prefill-0", "prefill"),
         ("prefill-1", "prefill"),
         ("decode-0", "decode"),
     ]
     assert spec.workers[0].argv[:4] == [sys.executable, "-m", "services.cli", "prefill"]
-    prefill, decode = parse(*spec.workers[0].argv[3:]), parse(*spec.workers[2].argv[3:])
+    prefill, decode = (cli.service_config(parse(*w.argv[3:])) for w in spec.workers[::2])
+    assert (prefill, decode) == (spec.workers[0].config, spec.workers[2].config)
     for worker in (prefill, decode):
-        assert (worker.model, worker.dtype, worker.block_size, worker.max_model_len) == (
-            "/m",
-            "bfloat16",
-            32,
-            256,
-        )
-        assert (worker.port, worker.metrics_port, worker.kv_cache_memory_bytes) == (0, 0, 4096)
+        e = worker.engine
+        assert (e.model, e.dtype, e.block_size, e.max_model_len) == ("/m", "bfloat16", 32, 256)
+        assert (worker.port, worker.metrics_port, e.kv_cache_memory_bytes) == (0, 0, 4096)
     assert (prefill.cpus, prefill.threads) == ("0", None)
-    assert (decode.cpus, decode.threads, decode.kv_transfer_timeout) == (None, 1, 2.0)
+    assert (decode.cpus, decode.threads, decode.engine.kv_transfer_timeout_s) == (None, 1, 2.0)
+    ids = {w.config.engine.engine_id for w in spec.workers}
+    assert len(ids) == 3 and all(i.startswith(("prefill-", "decode-")) for i in ids)
     router = spec.router(["h:1", "h:2"], ["h:3"])
     assert router.role == "router"
-    parsed = parse(*router.argv[3:])
+    parsed = cli.service_config(parse(*router.argv[3:]))
+    assert parsed == router.config
     assert (parsed.prefill, parsed.decode, parsed.port, parsed.http_port) == (
-        ["h:1", "h:2"],
-        ["h:3"],
+        ("h:1", "h:2"),
+        ("h:3",),
         6000,
         8000,
     )
     assert parsed.max_model_len == 256  # the router refuses what the workers would
-    no_http = launcher.cluster_spec_from_args(parse("serve", "--no-http")).router(["a:1"], ["b:2"])
-    assert parse(*no_http.argv[3:]).http_port is None
+    assert parsed.routing == "least_loaded"
+    no_http = launcher.cluster_spec(config("serve", "--no-http")).router(["a:1"], ["b:2"])
+    assert no_http.config.http_port is None
 
 
 @pytest.mark.parametrize(
@@ -509,8 +522,8 @@ if mode == "bad":
 if mode == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 port = 20000 + os.getpid() % 20000
-info = {"role": role, "grpc": f"127.0.0.1:{port}", "metrics": f"http://127.0.0.1:{port + 1}/metrics",
-        "pid": os.getpid()}
+info = {"role": role, "grpc": f"127.0.0.1:{port}",
+        "metrics": f"http://127.0.0.1:{port + 1}/metrics", "pid": os.getpid()}
 if role == "router":
     info["http"] = "http://127.0.0.1:8000"
 print("ready " + json.dumps(info), flush=True)
@@ -531,7 +544,8 @@ fake, mode, stop_timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
 def child(name, role, mode, *extra):
     return ChildSpec(name, role, [sys.executable, fake, role, mode, *extra])
 
-workers = [child("prefill-0", "prefill", mode), child("prefill-1", "prefill", mode), child("decode-0", "decode", mode)]
+workers = [child("prefill-0", "prefill", mode), child("prefill-1", "prefill", mode),
+           child("decode-0", "decode", mode)]
 spec = ClusterSpec(workers, lambda p, d: child("router", "router", "ok", *p, *d), start_timeout=30,
                    stop_timeout=stop_timeout)
 sys.exit(Supervisor(spec).run())

@@ -1,0 +1,343 @@
+"""One frozen, validated config per role: what each service is built from.
+
+`RouterConfig`, `PrefillConfig` and `DecodeConfig` (each worker config holds its `EngineConfig`)
+describe one service; `ClusterConfig` describes a local cluster (`pdserve serve`) and derives
+its children's configs. The CLI's flags are generated from these fields (`services/flags.py`),
+`pdserve serve` hands each child its config as JSON (`to_json` / `from_json`), and every service
+can be started in-process from its config object (the tests, and the Ray deployment). Each
+default is written here once; a new setting is a new field, and every entry point gets it.
+
+Imports no torch (the router and the CLI load this module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import typing
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from services.engine.config import DEFAULT_MODEL, EngineConfig, EngineRole
+from services.flags import flag
+from services.placement import parse_cpu_list
+
+C = TypeVar("C")
+ROUTING_POLICIES = ("kv", "least_loaded", "round_robin")
+DEFAULT_ROUTER_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
+_WORKER_ONLY = ("role", "engine_id")  # set per worker, never a flag
+
+
+def _check(ok: bool, name: str, message: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}, got {value!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_port(name: str, value: object) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 65536
+    _check(ok, name, "must be a port number in [0, 65536) (0 picks a free one)", value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefixIndexConfig:
+    """Where the router learns which prefill worker caches which prefix."""
+
+    redis_url: str | None = None
+    """Prefix index in Redis, e.g. redis://127.0.0.1:6379/0 (None: in-process, approximate)."""
+    index_ttl: float = 10.0
+    """Seconds (> 0) a prefill worker stays in the Redis index without a heartbeat."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.redis_url is None or isinstance(self.redis_url, str) and bool(self.redis_url),
+            "redis_url",
+            "must be a redis:// URL or None",
+            self.redis_url,
+        )
+        _check(
+            _is_number(self.index_ttl) and self.index_ttl > 0,
+            "index_ttl",
+            "must be > 0",
+            self.index_ttl,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """The router: public Generate API (gRPC, optional OpenAI HTTP), routing, worker pool."""
+
+    model: str = DEFAULT_MODEL
+    """The served model (its tokenizer, chat template and limits): a folder or known name."""
+    host: str = "127.0.0.1"
+    """Address every server of this service binds."""
+    port: int = DEFAULT_ROUTER_PORT
+    """gRPC port of the public Generate API (0 picks a free one)."""
+    metrics_port: int = 0
+    """Prometheus /metrics port (0 picks a free one)."""
+    http_port: int | None = field(default=None, metadata=flag(no_flag="no-http"))
+    """OpenAI-compatible HTTP port (0 picks a free one; None: no HTTP API)."""
+    prefill: tuple[str, ...] = ()
+    """A prefill worker's HOST:PORT (repeat the flag for each)."""
+    decode: tuple[str, ...] = ()
+    """A decode worker's HOST:PORT (repeat the flag for each)."""
+    request_timeout: float = 300.0
+    """Seconds a request may take when its client set no deadline."""
+    routing: str = field(default="kv", metadata=flag(choices=ROUTING_POLICIES))
+    """kv: prefix-cache overlap against load; least_loaded; round_robin."""
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    """The prefix index (shared with the prefill workers)."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens (None: the model's positions)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            bool(self.model) and isinstance(self.model, str),
+            "model",
+            "must not be empty",
+            self.model,
+        )
+        for name in ("port", "metrics_port"):
+            _check_port(name, getattr(self, name))
+        if self.http_port is not None:
+            _check_port("http_port", self.http_port)
+        for name in ("prefill", "decode"):
+            _check(
+                isinstance(getattr(self, name), tuple),
+                name,
+                "must be a tuple of HOST:PORT",
+                getattr(self, name),
+            )
+        _check(
+            _is_number(self.request_timeout) and self.request_timeout > 0,
+            "request_timeout",
+            "must be > 0 seconds",
+            self.request_timeout,
+        )
+        _check(
+            self.routing in ROUTING_POLICIES,
+            "routing",
+            f"expected one of {ROUTING_POLICIES}",
+            self.routing,
+        )
+        if self.max_model_len is not None:
+            ok = isinstance(self.max_model_len, int) and self.max_model_len >= 1
+            _check(ok, "max_model_len", "must be an integer >= 1", self.max_model_len)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """What every worker process has: its engine, where it listens, its CPUs, its drain."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata=flag(exclude=("role",)))
+    """The engine (its role is the worker's)."""
+    host: str = "127.0.0.1"
+    """Address this worker binds and advertises (decode workers pull KV from it)."""
+    port: int = 0
+    """gRPC port (0 picks a free one)."""
+    metrics_port: int = 0
+    """Prometheus /metrics port (0 picks a free one)."""
+    threads: int | None = None
+    """torch intra-op threads (default: one per CPU of `cpus`, else torch's own)."""
+    cpus: str | None = None
+    """CPU affinity, e.g. 0,1 or 0-3 (default: not pinned)."""
+    drain_timeout: float = 30.0
+    """On SIGTERM: seconds to finish in-flight requests (new ones are refused)."""
+
+    role: typing.ClassVar[EngineRole]
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.engine, EngineConfig), "engine", "must be an EngineConfig", self.engine
+        )
+        for name in ("port", "metrics_port"):
+            _check_port(name, getattr(self, name))
+        if self.threads is not None:
+            ok = isinstance(self.threads, int) and not isinstance(self.threads, bool)
+            _check(ok and self.threads >= 1, "threads", "must be >= 1", self.threads)
+        if self.cpus is not None:
+            parse_cpu_list(self.cpus, flag="cpus")
+        _check(
+            _is_number(self.drain_timeout) and self.drain_timeout >= 0,
+            "drain_timeout",
+            "must be >= 0 seconds",
+            self.drain_timeout,
+        )
+
+    def engine_config(self) -> EngineConfig:
+        """The engine this worker runs: its `engine` in the worker's role."""
+        return dataclasses.replace(self.engine, role=self.role)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillConfig(WorkerConfig):
+    """A prefill worker: runs prompts, pins their KV under a lease, serves it to decode workers."""
+
+    engine: EngineConfig = field(
+        default_factory=EngineConfig,
+        metadata=flag(exclude=("role", "kv_transfer_timeout_s", "max_num_waiting_for_kv")),
+    )
+    """The engine (PREFILL role)."""
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    """Where this worker publishes its prefix-cache events (Redis), if anywhere."""
+    debug_kv_stall_seconds: float = field(default=0.0, metadata=flag(hidden=True))
+    """Test hook: hold every PullKV this long before its first chunk."""
+
+    role: typing.ClassVar[EngineRole] = EngineRole.PREFILL
+
+    def engine_config(self) -> EngineConfig:
+        """PREFILL role; prefix-cache events recorded when a Redis index is set."""
+        events = self.engine.enable_kv_events or self.index.redis_url is not None
+        return dataclasses.replace(self.engine, role=self.role, enable_kv_events=events)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig(WorkerConfig):
+    """A decode worker: pulls prompt KV, runs the continuous batch, streams tokens."""
+
+    engine: EngineConfig = field(
+        default_factory=EngineConfig, metadata=flag(exclude=("role", "kv_lease_seconds"))
+    )
+    """The engine (DECODE role)."""
+    debug_zero_kv_block: int | None = field(default=None, metadata=flag(hidden=True))
+    """Test hook: zero this block of every received KV (proves decode uses the pulled KV)."""
+
+    role: typing.ClassVar[EngineRole] = EngineRole.DECODE
+
+
+_POOL = ("engine", "host", "port", "metrics_port")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """`pdserve serve`: a router and pools of prefill and decode workers on this machine."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata=flag(exclude=_WORKER_ONLY))
+    """The engine every worker runs (each in its own role, with its own engine_id)."""
+    router: RouterConfig = field(
+        default_factory=lambda: RouterConfig(http_port=DEFAULT_HTTP_PORT),
+        metadata=flag(exclude=("model", "max_model_len", "prefill", "decode", "index")),
+    )
+    """The router; its host is every service's, its model and limits are the engine's."""
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    """The prefix index, for the router and every prefill worker."""
+    prefill: PrefillConfig = field(
+        default_factory=PrefillConfig, metadata=flag(prefix="prefill-", exclude=(*_POOL, "index"))
+    )
+    """Settings of each prefill worker (flags --prefill-*)."""
+    decode: DecodeConfig = field(
+        default_factory=DecodeConfig, metadata=flag(prefix="decode-", exclude=_POOL)
+    )
+    """Settings of each decode worker (flags --decode-*)."""
+    num_prefill: int = 1
+    """Prefill workers."""
+    num_decode: int = 1
+    """Decode workers."""
+    start_timeout: float = 120.0
+    """Seconds each service may take to become ready."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill", "num_decode"):
+            value = getattr(self, name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            _check(ok, name, "must be >= 1", value)
+        _check(
+            _is_number(self.start_timeout) and self.start_timeout > 0,
+            "start_timeout",
+            "must be > 0 seconds",
+            self.start_timeout,
+        )
+
+    def prefill_config(self, index: int) -> PrefillConfig:
+        """The config of prefill worker `index` (free ports, its own engine id)."""
+        return dataclasses.replace(
+            self.prefill,
+            engine=self._engine(f"prefill-{index}"),
+            host=self.router.host,
+            port=0,
+            metrics_port=0,
+            index=self.index,
+        )
+
+    def decode_config(self, index: int) -> DecodeConfig:
+        """The config of decode worker `index` (free ports, its own engine id)."""
+        return dataclasses.replace(
+            self.decode,
+            engine=self._engine(f"decode-{index}"),
+            host=self.router.host,
+            port=0,
+            metrics_port=0,
+        )
+
+    def router_config(self, prefill: list[str], decode: list[str]) -> RouterConfig:
+        """The router's config, pointed at the workers' gRPC addresses."""
+        return dataclasses.replace(
+            self.router,
+            model=self.engine.model,
+            max_model_len=self.engine.max_model_len,
+            index=self.index,
+            prefill=tuple(prefill),
+            decode=tuple(decode),
+        )
+
+    def _engine(self, name: str) -> EngineConfig:
+        return dataclasses.replace(self.engine, engine_id=f"{name}-{uuid.uuid4().hex[:12]}")
+
+
+# -- JSON -----------------------------------------------------------------------------------
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """A config as plain JSON values (nested configs as objects, enums as their values)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            value = to_dict(value)
+        elif isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+def to_json(config: Any) -> str:
+    return json.dumps(to_dict(config), sort_keys=True)
+
+
+def from_dict(cls: type[C], data: dict[str, Any]) -> C:
+    """Rebuild a config of type `cls` from `to_dict` output; ValueError names an unknown or
+    bad field (fields left out keep their defaults)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__}: expected a JSON object, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    if unknown := sorted(set(data) - known):
+        raise ValueError(f"{unknown[0]}: not a field of {cls.__name__}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            value = from_dict(hint, value)  # type: ignore[arg-type]
+        elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+            value = hint(value)
+        elif typing.get_origin(hint) is tuple and isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def from_json(cls: type[C], text: str) -> C:
+    """`from_dict` of a JSON text; ValueError for bad JSON or a bad field."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config: not JSON ({exc})") from None
+    return from_dict(cls, data)

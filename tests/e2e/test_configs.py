@@ -1,0 +1,167 @@
+"""Role configs end to end: `pdserve serve` hands every child its config, and each child reports
+the config it runs with (GetInfo); a non-default value in every field shows nothing is dropped on
+the way (JSON, CLI, the children's own parsing)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+from typing import Any
+
+import grpc
+import pytest
+
+from services.common.config import (
+    ClusterConfig,
+    DecodeConfig,
+    PrefillConfig,
+    PrefixIndexConfig,
+    RouterConfig,
+    from_json,
+    to_dict,
+    to_json,
+)
+from services.common.pb import common_pb2, worker_pb2_grpc
+from services.engine.config import EngineConfig, EngineRole
+from tests.e2e.cluster import generate, generation_stub, start
+
+pytestmark = pytest.mark.e2e
+
+# Fields a cluster sets per child whatever it was given (so a value given there cannot reach a
+# child), and `device`, whose only other value needs a GPU.
+DERIVED = {
+    "engine.device",
+    "engine.engine_id",
+    "router.model",
+    "router.max_model_len",
+    "router.prefill",
+    "router.decode",
+    "router.index",
+    *(
+        f"{pool}.{name}"
+        for pool in ("prefill", "decode")
+        for name in ("engine", "host", "port", "metrics_port")
+    ),
+    "prefill.index",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
+    engine = EngineConfig(
+        model=model,
+        role=EngineRole.DECODE,
+        dtype="bfloat16",
+        block_size=8,
+        kv_cache_memory_bytes=1 << 20,
+        num_blocks=96,
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        seed=7,
+        shuffle_free_blocks=True,
+        enable_prefix_caching=False,
+        enable_kv_events=True,
+        attention_backend="torch_sdpa",
+        kv_transfer_timeout_s=20.0,
+        max_num_waiting_for_kv=4,
+        kv_lease_seconds=20.0,
+    )
+    router = RouterConfig(
+        host="localhost",
+        port=_free_port(),
+        metrics_port=_free_port(),
+        http_port=0,
+        request_timeout=100.0,
+        routing="round_robin",
+    )
+    return ClusterConfig(
+        engine=engine,
+        router=router,
+        index=PrefixIndexConfig(redis_url=redis_url, index_ttl=5.0),
+        prefill=PrefillConfig(threads=1, cpus="0", drain_timeout=5.0, debug_kv_stall_seconds=0.01),
+        decode=DecodeConfig(threads=1, cpus="1", drain_timeout=6.0, debug_zero_kv_block=0),
+        num_prefill=2,
+        num_decode=2,
+        start_timeout=110.0,
+    )
+
+
+def _leaves(config: Any, prefix: str = "") -> dict[str, Any]:
+    """{"engine.block_size": 8, ...}: every field of a config tree, dotted."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value, name = getattr(config, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value) and name not in DERIVED:
+            out.update(_leaves(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def test_the_test_config_sets_every_field_to_a_non_default_value(tiny_llama):
+    given, default = (
+        _leaves(_non_default_cluster(tiny_llama, "redis://h:1/0")),
+        _leaves(ClusterConfig()),
+    )
+    same = sorted(name for name in given if name not in DERIVED and given[name] == default[name])
+    assert same == [], f"give these fields a non-default value in this test: {same}"
+
+
+def _info(address: str) -> common_pb2.WorkerInfo:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.AdminStub(channel).GetInfo(common_pb2.InfoRequest(), timeout=30)
+
+
+def test_every_child_reports_the_config_its_parent_gave_it(tiny_llama, redis_server):
+    cluster = _non_default_cluster(tiny_llama, redis_server.url)
+    proc = start("serve", "--config-json", to_json(cluster))
+    try:
+        ready = proc.ready
+        services = ready["services"]
+        assert [s["role"] for s in services] == ["router", "prefill", "prefill", "decode", "decode"]
+        infos = {s["grpc"]: _info(s["grpc"]) for s in services}
+        # The router: the cluster's router settings, the engine's model and limits, the index,
+        # and the workers' addresses from their ready lines.
+        router = from_json(RouterConfig, infos[ready["router"]].config_json)
+        addresses = {
+            role: [s["grpc"] for s in services if s["role"] == role]
+            for role in ("prefill", "decode")
+        }
+        assert router == cluster.router_config(addresses["prefill"], addresses["decode"])
+        assert ready["router"] == f"localhost:{cluster.router.port}"
+        engine_ids = set()
+        for service in services[1:]:
+            info = infos[service["grpc"]]
+            config_cls = PrefillConfig if service["role"] == "prefill" else DecodeConfig
+            got = from_json(config_cls, info.config_json)
+            expected = getattr(cluster, f"{service['role']}_config")(0)
+            expected = dataclasses.replace(
+                expected, engine=dataclasses.replace(expected.engine, engine_id=info.engine_id)
+            )
+            assert to_dict(got) == to_dict(expected)
+            assert info.role == service["role"] and info.engine_id.startswith(service["role"])
+            # ... and runs it: the engine's own figures follow the config.
+            assert (info.num_blocks, info.kv_layout.block_size, info.kv_layout.dtype) == (
+                96,
+                8,
+                "bfloat16",
+            )
+            assert info.max_model_len == 256
+            engine_ids.add(info.engine_id)
+        assert len(engine_ids) == 4
+        token_ids, _, finish = generate(
+            generation_stub(ready["router"]),
+            token_ids={"ids": [5, 6, 7, 8]},
+            sampling={"max_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+        )
+        assert len(token_ids) == 4 and finish == "length"
+        json.dumps(ready)  # the ready line stays plain JSON
+    finally:
+        assert proc.stop() == 0
