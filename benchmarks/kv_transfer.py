@@ -2,7 +2,7 @@
 
 1. Bandwidth. A real local cluster (`pdserve serve`, default model) prefills a long prompt on its
    prefill worker, which pins the prompt's KV (float32: 45 KiB per token). This process then
-   pulls that KV `--trials` times through `GrpcKVTransfer.pull_chunks`, the decode worker's own
+   pulls that KV `--trials` times through `GrpcKVReceiver.pull_chunks`, the decode worker's own
    path (PullKV stream of <= 4 MiB chunks read from the prefill worker's cache, each written as
    it arrives into a preallocated KV tensor, as the decode worker writes into its reserved
    blocks), and, interleaved in the same run, streams the same number of bytes from a bare
@@ -125,7 +125,7 @@ def bandwidth(args, prefill_address: str) -> dict:
 
     from services.common.channels import GRPC_OPTIONS
     from services.common.convert import handle_from_proto
-    from services.common.kv_transfer_grpc import GrpcKVTransfer
+    from services.common.kv_transfer_grpc import GrpcKVReceiver
     from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
 
     prompt = text_ids(args.model, args.pull_tokens, offset=1000)
@@ -139,7 +139,7 @@ def bandwidth(args, prefill_address: str) -> dict:
         timeout=300,
     )
     handle, source = handle_from_proto(reply.kv_handle)
-    transfer = GrpcKVTransfer("bench", timeout_s=120)
+    transfer = GrpcKVReceiver(timeout_s=120, role="bench")
     transfer.set_source(handle.request_id, source)  # renews the lease while we pull
     bare = subprocess.Popen(
         [sys.executable, __file__, "--bare-server"], stdout=subprocess.PIPE, text=True

@@ -247,7 +247,7 @@ class EngineLoop:
         metrics.KV_CACHE_BYTES.labels(role, "pinned").set(pinned * block_bytes)
         metrics.KV_CACHE_USAGE.labels(role).set(pool.num_used_blocks / pool.num_blocks)
         metrics.NUM_REQUESTS_RUNNING.labels(role).set(engine.scheduler.num_running)
-        metrics.NUM_REQUESTS_WAITING.labels(role).set(engine.scheduler.num_waiting)
+        metrics.NUM_REQUESTS_WAITING.labels(role).set(engine.num_waiting)
         scheduler = engine.scheduler
         totals = {
             "preemptions": scheduler.num_preemptions,

@@ -30,11 +30,16 @@ from services.common.convert import (
 )
 from services.common.kv_wire import chunk_tensor, decode_chunk
 from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.engine.errors import KVHandshakeError, KVTransferError, RequestNotFoundError
+from services.engine.errors import (
+    KVHandshakeError,
+    KVNotFoundError,
+    KVTransferError,
+    RequestNotFoundError,
+)
 from services.engine.kv_cache import KVCacheSpec
+from services.engine.kv_transfer.base import KVReceiver, register_receiver
 from services.engine.kv_transfer.handle import KVHandle
 from services.engine.kv_transfer.handshake import KVPeerInfo, check_compatible
-from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
 from services.engine.kv_transfer.lease import DEFAULT_LEASE_S
 
 logger = logging.getLogger(__name__)
@@ -44,8 +49,10 @@ HANDSHAKE_TIMEOUT_S = 5.0
 RENEW_TICK_S = 0.05
 
 
-class GrpcKVTransfer(InMemoryKVTransfer):
-    """Source bookkeeping (leases) as in memory; the destination side goes over gRPC.
+@register_receiver("grpc")
+class GrpcKVReceiver(KVReceiver):
+    """The destination side over gRPC (the source side is the prefill worker's `KVSender`,
+    served by `kv_transfer_service.KVTransferServicer`).
 
     `set_source(request_id, address)` tells the destination where a handle's blocks live;
     `forget(request_id)` ends its interest (the RPC that wanted it is over). `pull_chunks`
@@ -57,12 +64,13 @@ class GrpcKVTransfer(InMemoryKVTransfer):
 
     def __init__(
         self,
-        role: str,
+        engine_id: str = "",
         timeout_s: float = 30.0,
-        lease_s: float = DEFAULT_LEASE_S,
         zero_block: int | None = None,
+        role: str = "decode",
     ) -> None:
-        super().__init__(lease_s)
+        """`engine_id`: the local engine's, sent in handshakes; `role`: the metrics label."""
+        self.engine_id = engine_id
         self.role = role
         self.timeout_s = timeout_s
         self.zero_block = zero_block
@@ -73,11 +81,7 @@ class GrpcKVTransfer(InMemoryKVTransfer):
         self.pull_seconds: dict[str, float] = {}  # request_id -> seconds its last pull took
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
-        self.engine_id = ""  # the local engine's id, learned at register_source
-
-    def register_source(self, engine_id: str, source) -> None:
-        super().register_source(engine_id, source)
-        self.engine_id = engine_id
+        self.bytes_transferred = 0
 
     # -- destination bookkeeping ---------------------------------------------------------------
 
@@ -115,16 +119,16 @@ class GrpcKVTransfer(InMemoryKVTransfer):
             exc.code() != grpc.StatusCode.CANCELLED
         ):  # cancelled by this side: not the transfer's fault
             metrics.KV_TRANSFER_FAILURES.labels(self.role, reason).inc()
-        return KVTransferError(
-            f"{what} of {request_id!r} from {address}: {exc.code().name} {exc.details() or ''}",
-            reason=reason,
+        message = (
+            f"{what} of {request_id!r} from {address}: {exc.code().name} {exc.details() or ''}"
         )
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            return KVNotFoundError(message)
+        return KVTransferError(message, reason=reason)
 
     # -- handshake -----------------------------------------------------------------------------
 
     def connect(self, handle: KVHandle, local: KVPeerInfo) -> None:
-        if self.is_local(handle):
-            return super().connect(handle, local)
         address = self._address(handle)
         if (address, handle.engine_id) in self._peers:
             return
@@ -147,9 +151,7 @@ class GrpcKVTransfer(InMemoryKVTransfer):
             logger.error("%s", exc)
             raise KVHandshakeError(str(exc)) from None
         if reply.engine_id != handle.engine_id:  # another process now listens at that address
-            raise KVTransferError(
-                f"{address} is engine {reply.engine_id}, not {handle.engine_id}", "not_found"
-            )
+            raise KVNotFoundError(f"{address} is engine {reply.engine_id}, not {handle.engine_id}")
         with self._lock:
             self._peers[(address, handle.engine_id)] = reply.lease_seconds or DEFAULT_LEASE_S
 
@@ -198,9 +200,12 @@ class GrpcKVTransfer(InMemoryKVTransfer):
 
     # -- pulls ---------------------------------------------------------------------------------
 
+    def is_ready(self, handle: KVHandle) -> bool:
+        """Never: the KV is on the wire. The decode worker pulls it with `pull_chunks` on its
+        RPC thread and writes it into the reserved blocks (`Engine.take_reserved(True)`)."""
+        return False
+
     def pull(self, handle: KVHandle, first_block: int = 0) -> list[torch.Tensor]:
-        if self.is_local(handle):
-            return super().pull(handle, first_block)
         return [piece for _, piece in self.pull_chunks(handle, first_block)]
 
     def pull_chunks(
@@ -282,17 +287,14 @@ class GrpcKVTransfer(InMemoryKVTransfer):
             yield next_block - first_block, chunk_tensor(data, spec.dtype, shape)
             next_block += header.num_blocks
         if next_block != len(handle.block_ids):
-            raise KVTransferError(
+            raise KVNotFoundError(
                 f"KV stream for {handle.request_id!r} ended at block {next_block} of "
-                f"{len(handle.block_ids)}",
-                "not_found",
+                f"{len(handle.block_ids)}"
             )
 
     def complete(self, handle: KVHandle) -> None:
         """Tell the source to unpin, without waiting (this runs on the engine thread); a lost
         message is covered by the lease."""
-        if self.is_local(handle):
-            return super().complete(handle)
         with self._lock:
             address = self._addresses.pop(handle.request_id, None)
         if address is None:

@@ -16,12 +16,12 @@ import grpc
 
 from services.common import metrics
 from services.common.convert import handle_from_proto, peer_info_from_proto, peer_info_to_proto
-from services.common.kv_transfer_grpc import GrpcKVTransfer
 from services.common.kv_wire import encode_chunk
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.engine.errors import InvalidRequestError, KVHandshakeError
 from services.engine.kv_cache import KVCacheSpec
 from services.engine.kv_transfer.handshake import KVPeerInfo, mismatches
+from services.engine.kv_transfer.sender import KVSender
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +38,13 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
 
     def __init__(
         self,
-        transfer: GrpcKVTransfer,
+        sender: KVSender,
         on_engine: Callable[[Callable[[], T]], T],
         peer_info: KVPeerInfo,
         chunk_bytes: int = CHUNK_BYTES,
         stall_s: float = 0.0,
     ) -> None:
-        self.transfer = transfer
+        self.sender = sender
         self.on_engine = on_engine
         self.peer_info = peer_info
         self.layout = peer_info_to_proto(peer_info)[1]
@@ -62,7 +62,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         remote = peer_info_from_proto(request.model_id, request.layout)
         diff = mismatches(self.peer_info, remote)  # this worker is the source
         if diff:
-            metrics.KV_TRANSFER_FAILURES.labels(self.transfer.role, "handshake").inc()
+            metrics.KV_TRANSFER_FAILURES.labels("prefill", "handshake").inc()
             message = (
                 f"KV handshake from {request.engine_id or context.peer()} refused: "
                 + "; ".join(diff)
@@ -71,10 +71,10 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
             raise KVHandshakeError(message)
         model_id, layout = peer_info_to_proto(self.peer_info)
         return worker_pb2.KVHandshakeResponse(
-            engine_id=self.transfer.engine_id,
+            engine_id=self.sender.engine_id,
             model_id=model_id,
             layout=layout,
-            lease_seconds=self.transfer.leases.lease_s,
+            lease_seconds=self.sender.leases.lease_s,
         )
 
     def PullKV(self, request, context):
@@ -86,8 +86,8 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         receiver hangs cannot hold the blocks longer than a lease. Raises RequestNotFoundError
         (NOT_FOUND) once the transfer has ended, before or during the stream."""
         handle, _ = handle_from_proto(request.handle)
-        first_block, rid, leases = request.first_block, handle.request_id, self.transfer.leases
-        source = self.transfer.source(handle)
+        first_block, rid, leases = request.first_block, handle.request_id, self.sender.leases
+        source = self.sender.source(handle)
         num_blocks = len(handle.block_ids)
         if not 0 <= first_block < num_blocks:
             raise InvalidRequestError(
@@ -111,9 +111,9 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
                 )
             finally:
                 if leases.end_pull(rid):  # released while we read: free it now
-                    self.on_engine(lambda: self.transfer.release_pin(rid))
+                    self.on_engine(lambda: self.sender.release_pin(rid))
             yield chunk
-        metrics.KV_TRANSFER_BYTES.labels(self.transfer.role).inc(
+        metrics.KV_TRANSFER_BYTES.labels("prefill").inc(
             (num_blocks - first_block) * self.block_bytes
         )
 
@@ -124,11 +124,11 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
 
     def RenewKVLease(self, request, context):
         return worker_pb2.RenewKVLeaseResponse(
-            renewed=[self.transfer.renew(rid) for rid in request.request_ids]
+            renewed=[self.sender.renew(rid) for rid in request.request_ids]
         )
 
     def ReleaseKV(self, request, context):
-        released = self.on_engine(lambda: self.transfer.release(request.request_id))
+        released = self.on_engine(lambda: self.sender.release(request.request_id))
         return worker_pb2.ReleaseKVResponse(released=released)
 
 

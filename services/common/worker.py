@@ -38,7 +38,7 @@ def worker_info(loop: EngineLoop, config: WorkerConfig) -> common_pb2.WorkerInfo
             num_free_blocks=pool.num_free_blocks,
             num_pinned_blocks=engine.num_pinned_blocks,
             num_running=engine.scheduler.num_running,
-            num_waiting=engine.scheduler.num_waiting,
+            num_waiting=engine.num_waiting,
             num_prompt_tokens_computed=engine.scheduler.num_prompt_tokens_computed,
             max_step_tokens_per_request=loop.max_step_tokens_per_request,
             num_cached_blocks=pool.num_cached_blocks,

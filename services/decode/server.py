@@ -22,7 +22,7 @@ from services.common.config import DecodeConfig
 from services.common.convert import handle_from_proto, logprobs_to_proto, sampling_from_proto
 from services.common.engine_loop import EngineLoop, ShuttingDownError
 from services.common.errors import PeerUnavailableError, ServiceUnavailableError
-from services.common.kv_transfer_grpc import GrpcKVTransfer
+from services.common.kv_transfer_grpc import GrpcKVReceiver
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import start_service
 from services.common.worker import (
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
-    def __init__(self, loop: EngineLoop, transfer: GrpcKVTransfer, config: DecodeConfig) -> None:
+    def __init__(self, loop: EngineLoop, transfer: GrpcKVReceiver, config: DecodeConfig) -> None:
         self.loop = loop
         self.config = config
         self.transfer = transfer
@@ -149,12 +149,12 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
     `serve`, the tests and the Ray deployment call). Raises ValueError naming a bad field,
     RuntimeError when a port cannot be bound."""
     engine_config = config.engine_config()
-    transfer = GrpcKVTransfer(
-        "decode",
+    transfer = GrpcKVReceiver(
+        engine_config.engine_id,
         timeout_s=engine_config.kv_transfer_timeout_s,
         zero_block=config.debug_zero_kv_block,
     )
-    engine = Engine(engine_config, transfer)
+    engine = Engine(engine_config, kv_receiver=transfer)
     loop = EngineLoop(engine, "decode")
     decode = DecodeServicer(loop, transfer, config)
     service = start_service(

@@ -1,4 +1,4 @@
-"""The transport-free engine: add_request / step / abort, and `generate` on top.
+"""The transport-free engine: add_request / step / abort (`llm.py` runs prompts to completion).
 
 One step = schedule -> (load remote KV) -> model runner -> update -> outputs (nano-vllm's three
 verbs plus the KV hand-off). Services wrap this class; it never imports grpc, ray or prometheus.
@@ -13,8 +13,6 @@ import time
 import uuid
 from pathlib import Path
 
-import torch
-
 from services.engine.admission import RequestChecker
 from services.engine.block_hash import BlockHash
 from services.engine.config import EngineConfig, EngineRole
@@ -26,9 +24,13 @@ from services.engine.errors import (
 )
 from services.engine.kv_cache import KVCache
 from services.engine.kv_events import KVEvent
-from services.engine.kv_transfer.base import KVHandle, KVSource, KVTransfer
+from services.engine.kv_export import KVExport
+from services.engine.kv_reservations import KVReservations
+from services.engine.kv_transfer.base import KVReceiver
+from services.engine.kv_transfer.handle import KVHandle
 from services.engine.kv_transfer.handshake import KVPeerInfo
-from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
+from services.engine.kv_transfer.in_memory import InMemoryKVReceiver
+from services.engine.kv_transfer.sender import KVSender
 from services.engine.loader import eos_token_id, load_model, model_id, model_limits, resolve_model
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import KVReserved, RequestOutput
@@ -39,13 +41,20 @@ from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.tokenizer import Tokenizer
 
 
-class Engine(KVSource):
+class Engine:
     """A paged-KV inference engine in one of the roles BOTH, PREFILL or DECODE.
 
-    Raises ValueError (naming the field) for a bad config or unsupported model.
+    `kv_sender` (PREFILL role) publishes the pinned prompt KV of finished requests (default: one
+    of its own, for receivers in this process); `kv_receiver` (DECODE role) brings a request's
+    prompt KV in. Raises ValueError (naming the field) for a bad config or unsupported model.
     """
 
-    def __init__(self, config: EngineConfig, kv_transfer: KVTransfer | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_sender: KVSender | None = None,
+        kv_receiver: KVReceiver | None = None,
+    ) -> None:
         self.model_path = str(resolve_model(config.model))
         _, max_model_len = model_limits(self.model_path, config.max_model_len)
         self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
@@ -62,17 +71,18 @@ class Engine(KVSource):
             model_id=self.model_id if config.enable_prefix_caching else None,
             record_events=config.enable_kv_events,
         )
-        self.kv_transfer = kv_transfer or InMemoryKVTransfer()
-        self.scheduler = Scheduler(config, self.kv_cache, kv_ready=lambda r: self.remote.ready(r))
-        self.remote = RemoteKV(self.kv_cache, self.scheduler, self.kv_transfer)
+        self.kv_sender = kv_sender or KVSender(config.kv_lease_seconds)
+        self.kv_receiver = kv_receiver or InMemoryKVReceiver(self.kv_sender)
+        self.scheduler = Scheduler(config, self.kv_cache)
+        self.reservations = KVReservations(config, self.kv_cache, self.scheduler)
+        self.remote = RemoteKV(self.kv_cache, self.reservations, self.kv_receiver)
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
         self.tokenizer = Tokenizer.load(self.model_path)
         self.checker = RequestChecker(config, self.runner.vocab_size, num_blocks, self.tokenizer)
         self.eos_token_id = eos_token_id(hf_config, self.tokenizer)
-        self._kv_peer_info = KVPeerInfo.of(spec, self.model_id)
-        self.kv_transfer.register_source(config.engine_id, self)
+        self.kv_peer_info = KVPeerInfo.of(spec, self.model_id)
+        self.export = KVExport(config.engine_id, self.kv_cache, self.kv_sender, self.kv_peer_info)
         self.requests: dict[str, Request] = {}
-        self.pinned: dict[str, Request] = {}  # PREFILL role: finished, blocks held for export
         self._finished_at_admission: list[Request] = []  # DECODE: first token already ended it
         self.last_step: SchedulerOutput | None = None
         self.last_forward_tokens: dict[str, int] = {}  # request_id -> tokens the last forward saw
@@ -103,16 +113,14 @@ class Engine(KVSource):
             request_id = f"req-{uuid.uuid4().hex}"  # unique cluster-wide, as KV handles need
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id", "must be a non-empty string")
-        if request_id in self.requests or request_id in self.pinned:
+        if request_id in self.requests or request_id in self.export.pinned:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt_ids = self.checker.prompt_ids(prompt)
-        if (
-            kv_handle is not None
-        ):  # first: with another layout, the handle's numbers mean nothing here
+        if kv_handle is not None:  # first: with another layout, its numbers mean nothing here
             try:
-                self.kv_transfer.connect(kv_handle, self.kv_peer_info)
+                self.kv_receiver.connect(kv_handle, self.kv_peer_info)
             except KVHandshakeError:
-                self.kv_transfer.complete(kv_handle)  # unusable here: let the source unpin now
+                self.kv_receiver.complete(kv_handle)  # unusable here: let the source unpin now
                 raise
         self.checker.check(request_id, prompt_ids, params, kv_handle, cache_salt)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
@@ -132,19 +140,18 @@ class Engine(KVSource):
             request.status = RequestStatus.WAITING_FOR_REMOTE_KV
             request.append_output_token(kv_handle.first_token_id, max_model_len)
             if request.status.is_finished:  # the first token already ended it: nothing to decode
-                self.kv_transfer.complete(kv_handle)
-                self.requests[request_id] = request
+                self.kv_receiver.complete(kv_handle)
                 self._finished_at_admission.append(request)
-                return request_id
-        self.scheduler.add(request)
+            else:
+                self.reservations.add(request)
+        else:
+            self.scheduler.add(request)
         self.requests[request_id] = request
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks. Raises RequestNotFoundError for an unknown id."""
-        if request_id in self.pinned:
-            if self.kv_transfer.revoke(request_id):  # else freed when the pull reading it ends
-                self.release_kv(request_id)
+        if self.export.abort(request_id):
             return
         request = self.requests.pop(request_id, None)
         if request is None:
@@ -161,12 +168,24 @@ class Engine(KVSource):
     def has_unfinished_requests(self) -> bool:
         """Whether `step()` has work: a request to compute, a DECODE request whose KV is ready or
         overdue. A DECODE request still waiting for its KV needs no step (`num_waiting_for_kv`)."""
-        return bool(self._finished_at_admission) or self.scheduler.has_ready_work()
+        if self._finished_at_admission or self.scheduler.has_work():
+            return True
+        return self.remote.has_ready_work()
 
     @property
     def num_waiting_for_kv(self) -> int:
         """DECODE requests queued for blocks or reserved and waiting for their KV."""
-        return len(self.scheduler.waiting_for_kv) + len(self.scheduler.reserved)
+        return len(self.reservations)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: waiting for a slot or blocks, or for their remote KV."""
+        return self.scheduler.num_waiting + len(self.reservations)
+
+    @property
+    def pinned(self) -> dict[str, Request]:
+        """PREFILL role: finished requests whose prompt blocks are held for export."""
+        return self.export.pinned
 
     def take_reserved(self, claim_writes: bool = False) -> list[KVReserved]:
         """DECODE role: reserve blocks for queued requests where room allows, then return every
@@ -198,9 +217,9 @@ class Engine(KVSource):
         self._finished_at_admission.clear()
         outputs += [
             self._end_remote(r, RequestStatus.FINISHED_KV_TIMEOUT)
-            for r in self.scheduler.timed_out()
+            for r in self.reservations.timed_out()
         ]
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.remote.ready_requests())
         self.last_step = sched
         outputs += self._load_remote_kv(sched)
         result = self.runner.execute(sched)
@@ -254,49 +273,8 @@ class Engine(KVSource):
         request.finish(RequestStatus.FINISHED_PREFILLED)
         self.scheduler.remove_running(request, free=False)
         del self.requests[request.request_id]
-        num_prompt_blocks = -(-len(request.prompt_token_ids) // self.config.block_size)
-        handle = KVHandle(
-            request.request_id,
-            self.config.engine_id,
-            tuple(request.block_table[:num_prompt_blocks]),
-            len(request.prompt_token_ids),
-            request.output_token_ids[0],
-        )
-        self.pinned[request.request_id] = request
-        self.kv_transfer.publish(handle)
+        handle = self.export.hand_off(request)
         return self._output(request, request.output_token_ids[-1:], handle)
-
-    # -- KVSource ------------------------------------------------------------------------------
-
-    def read_kv(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
-        self._pinned_request(handle, first_block)
-        return self.kv_cache.read_blocks(list(handle.block_ids[first_block:]))
-
-    def _pinned_request(self, handle: KVHandle, first_block: int) -> Request:
-        request = self.pinned.get(handle.request_id)
-        if (
-            request is None
-            or tuple(request.block_table[: len(handle.block_ids)]) != handle.block_ids
-        ):
-            raise RequestNotFoundError(handle.request_id)  # only a pinned request's own blocks
-        if not 0 <= first_block < len(handle.block_ids):
-            raise InvalidRequestError(
-                "first_block", f"{first_block} outside the handle's {len(handle.block_ids)} blocks"
-            )
-        return request
-
-    def kv_buffers(self, handle: KVHandle, first_block: int, last_block: int) -> list[memoryview]:
-        self._pinned_request(handle, first_block)
-        if not first_block < last_block <= len(handle.block_ids):
-            raise InvalidRequestError(
-                "last_block", f"{last_block} outside the handle's blocks after {first_block}"
-            )
-        return self.kv_cache.block_buffers(list(handle.block_ids[first_block:last_block]))
-
-    def release_kv(self, request_id: str) -> None:
-        request = self.pinned.pop(request_id, None)
-        if request is not None:
-            self.kv_cache.free(request)
 
     # -- prefix cache --------------------------------------------------------------------------
 
@@ -328,13 +306,9 @@ class Engine(KVSource):
         return detok.add_tokens(token_ids) + detok.flush()
 
     @property
-    def kv_peer_info(self) -> KVPeerInfo:
-        return self._kv_peer_info
-
-    @property
     def num_pinned_blocks(self) -> int:
         """Blocks held for KV export (PREFILL role), awaiting a pull or their lease."""
-        return sum(len(r.block_table) for r in self.pinned.values())
+        return self.export.num_pinned_blocks
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if block accounting is broken (tests call it after every step)."""
@@ -342,7 +316,7 @@ class Engine(KVSource):
         pool.check_integrity()
         holders = [
             *self.scheduler.running,
-            *self.scheduler.reserved,
+            *self.reservations.reserved,
             *self.pinned.values(),
             *self.remote.abandoned,
         ]

@@ -36,6 +36,15 @@ class KVTransferError(EngineError):
         self.reason = reason
 
 
+class KVNotFoundError(KVTransferError, RequestNotFoundError):
+    """The source no longer holds (or never held) the KV a handle names: a KVTransferError with
+    reason "not_found" that is also a RequestNotFoundError, so every backend reports an ended
+    transfer alike."""
+
+    def __init__(self, message: str) -> None:
+        KVTransferError.__init__(self, message, reason="not_found")
+
+
 class KVHandshakeError(KVTransferError):
     """Two engines whose KV layouts or models differ were asked to exchange KV
     (-> FAILED_PRECONDITION); the message names every differing field."""

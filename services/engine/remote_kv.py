@@ -1,6 +1,7 @@
 """DECODE role: requests whose prompt KV comes through a transfer, inside one engine.
 
-The scheduler reserves their blocks; this module hands each reservation out (`take_reserved`),
+`kv_reservations.py` reserves their blocks; this module hands each reservation out
+(`take_reserved`), tells the scheduler which reserved requests are ready to run,
 lets a caller claim the writing of the pulled KV into the reserved blocks (off the engine thread:
 the decode worker's RPC thread writes each chunk as it arrives), loads the KV itself at
 admission when nobody claimed it, and makes sure blocks a caller may still be writing are never
@@ -11,34 +12,35 @@ from __future__ import annotations
 
 from services.engine.errors import InvalidRequestError, KVTransferError, RequestNotFoundError
 from services.engine.kv_cache import KVCache
-from services.engine.kv_transfer.base import KVTransfer
+from services.engine.kv_reservations import KVReservations
+from services.engine.kv_transfer.base import KVReceiver
 from services.engine.outputs import KVReserved
 from services.engine.request import Request, RequestStatus
-from services.engine.scheduler import RemoteLoad, Scheduler
+from services.engine.scheduler import RemoteLoad
 
 
 class RemoteKV:
     """Reservations, claimed writes and admission-time loads of one DECODE engine (engine
     thread)."""
 
-    def __init__(self, kv_cache: KVCache, scheduler: Scheduler, kv_transfer: KVTransfer) -> None:
+    def __init__(
+        self, kv_cache: KVCache, reservations: KVReservations, receiver: KVReceiver
+    ) -> None:
         self.kv_cache = kv_cache
-        self.scheduler = scheduler
-        self.kv_transfer = kv_transfer
+        self.reservations = reservations
+        self.receiver = receiver
         self._writing: set[str] = set()  # requests whose KV a caller is writing (claimed)
         self._abandoned: dict[str, Request] = {}  # ended while claimed: freed at `written`
 
     def take_reserved(self, claim_writes: bool) -> list[KVReserved]:
         """See `Engine.take_reserved`."""
-        self.scheduler.reserve_waiting()
         reserved = []
-        for request in self.scheduler.newly_reserved:
+        for request in self.reservations.take_new():
             num_blocks = len(request.remote_handle.block_ids)
             block_ids = tuple(request.block_table[request.kv_first_block : num_blocks])
             reserved.append(KVReserved(request.request_id, request.kv_first_block, block_ids))
             if claim_writes:
                 self._writing.add(request.request_id)
-        self.scheduler.newly_reserved.clear()
         return reserved
 
     def written(self, request_id: str, request: Request | None, ok: bool) -> None:
@@ -55,19 +57,28 @@ class RemoteKV:
         holds it all, or the transfer can serve it now and nobody claimed the writing."""
         if request.kv_landed or request.kv_first_block >= len(request.remote_handle.block_ids):
             return True
-        return request.request_id not in self._writing and self.kv_transfer.is_ready(
+        return request.request_id not in self._writing and self.receiver.is_ready(
             request.remote_handle
         )
+
+    def ready_requests(self) -> list[Request]:
+        """Reserved requests that may join the running batch now, in arrival order."""
+        return [r for r in self.reservations.reserved if self.ready(r)]
+
+    def has_ready_work(self) -> bool:
+        """A reserved request is ready, or one is past its KV deadline."""
+        return bool(self.ready_requests() or self.reservations.timed_out())
 
     def end(self, request: Request, status: RequestStatus) -> None:
         """End a request whose KV never loaded: let the source unpin, and free the blocks now
         or, while a caller writes into them, when it reports back."""
-        self.kv_transfer.complete(request.remote_handle)
+        self.receiver.complete(request.remote_handle)
         request.finish(status)
-        writing = request.request_id in self._writing
-        self.scheduler.remove_running(request, free=not writing)
-        if writing:
+        self.reservations.remove(request)
+        if request.request_id in self._writing:
             self._abandoned[request.request_id] = request
+        else:
+            self.kv_cache.free(request)
 
     def load(self, loads: list[RemoteLoad], requests: dict[str, Request]) -> list[Request]:
         """At admission: pull (unless a caller already wrote it) and write each request's prompt
@@ -81,12 +92,13 @@ class RemoteKV:
                     self._pull_into(load)
             except (RequestNotFoundError, InvalidRequestError, KVTransferError):
                 failed.append(request)
-            self.kv_transfer.complete(load.handle)
+            self.receiver.complete(load.handle)
+        self.reservations.started([requests[load.request_id] for load in loads])
         return failed
 
     def _pull_into(self, load: RemoteLoad) -> None:
         num_blocks, block = len(load.handle.block_ids), load.first_block
-        pieces = self.kv_transfer.pull(load.handle, block) if block < num_blocks else []
+        pieces = self.receiver.pull(load.handle, block) if block < num_blocks else []
         for piece in pieces:
             block = self.kv_cache.write_transferred(load.block_ids[:num_blocks], block, piece)
         if block != num_blocks:

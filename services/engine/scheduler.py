@@ -11,23 +11,19 @@ cache first: a request starts with the cached blocks of its longest cached prefi
 only the rest. At least the last prompt token is always computed, since its logits give the
 first token, so a hit covers at most `block_hash.max_cached_blocks` blocks.
 
-A DECODE request whose prompt KV comes from a transfer reserves its blocks first (Mooncake's and
-vLLM's P/D rule: the KV never arrives to a full cache), hitting its own prefix cache for every
-full prompt block it can and pulling only the rest. Requests that find no room wait in a bounded
-FIFO queue (`max_num_waiting_for_kv`); a reserved request joins the running batch once its KV is
-ready, and one still waiting after `kv_transfer_timeout_s` fails.
+A DECODE request whose prompt KV comes from a transfer holds its blocks before it gets here
+(`remote_kv.py` reserves them); `schedule(ready_remote)` starts those whose KV can be loaded
+now, ahead of the waiting queue, and lists their loads in `SchedulerOutput.remote_loads`.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.engine.block_hash import max_cached_blocks
 from services.engine.config import EngineConfig
-from services.engine.errors import ResourceExhaustedError
 from services.engine.kv_cache import KVCache
 from services.engine.kv_transfer.handle import KVHandle
 from services.engine.request import Request, RequestStatus
@@ -70,82 +66,30 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting and running queues and every request's blocks."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        kv_cache: KVCache,
-        kv_ready: Callable[[Request], bool] = lambda r: True,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        """`kv_ready(request)`: whether a reserved DECODE request's prompt KV can be loaded now."""
+    def __init__(self, config: EngineConfig, kv_cache: KVCache) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.kv_ready = kv_ready
-        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.waiting_for_kv: deque[Request] = (
-            deque()
-        )  # DECODE: no blocks reserved yet (FIFO, bounded)
-        self.reserved: list[Request] = []  # DECODE: blocks reserved, prompt KV not loaded yet
-        self.newly_reserved: list[Request] = []  # reserved since the caller last cleared it
         self.num_preemptions = 0
-        self.num_prompt_tokens_computed = (
-            0  # prompt positions run through the model (incl. recompute)
-        )
+        # prompt positions run through the model (recomputes included)
+        self.num_prompt_tokens_computed = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_cache_hits = 0  # of those, tokens whose KV was reused
 
     def add(self, request: Request) -> None:
-        """Queue a request. A DECODE request (WAITING_FOR_REMOTE_KV) reserves its blocks now if
-        no earlier one is queued for blocks; raises ResourceExhaustedError when it would have to
-        queue and `max_num_waiting_for_kv` requests already do."""
-        if request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
-            self.waiting.append(request)
-            return
-        request.kv_deadline = self.clock() + self.config.kv_transfer_timeout_s
-        if not self.waiting_for_kv and self._reserve(request):
-            return
-        if len(self.waiting_for_kv) >= self.config.max_num_waiting_for_kv:
-            raise ResourceExhaustedError(
-                f"KV cache full: {len(self.waiting_for_kv)} requests already wait for blocks "
-                f"(max_num_waiting_for_kv); retry later or on another decode worker"
-            )
-        self.waiting_for_kv.append(request)
+        """Queue a request (first come, first served)."""
+        self.waiting.append(request)
 
-    def reserve_waiting(self) -> None:
-        """Reserve blocks for queued DECODE requests, first come first served."""
-        while self.waiting_for_kv and self._reserve(self.waiting_for_kv[0]):
-            self.waiting_for_kv.popleft()
+    def has_work(self) -> bool:
+        """Whether a request runs or waits (reserved DECODE requests are `remote_kv`'s)."""
+        return bool(self.running or self.waiting)
 
-    def _reserve(self, request: Request) -> bool:
-        """Blocks for the whole prompt (filled by the transfer, or by the local prefix cache) and
-        the first token; False (nothing taken) when the cache is short."""
-        block_size = self.kv_cache.spec.block_size
-        num_prompt = request.remote_handle.num_tokens
-        cached = self.kv_cache.get_computed_blocks(request, num_prompt // block_size)
-        num_cached = len(cached) * block_size
-        if not self.kv_cache.allocate_slots(request, request.num_tokens - num_cached, cached):
-            return False
-        request.kv_first_block = len(cached)
-        self._record_prefix_hit(request, num_prompt, num_cached)
-        self.reserved.append(request)
-        self.newly_reserved.append(request)
-        return True
-
-    def timed_out(self) -> list[Request]:
-        """DECODE requests whose KV did not arrive by their deadline (queued or reserved)."""
-        now = self.clock()
-        return [r for r in (*self.waiting_for_kv, *self.reserved) if now >= r.kv_deadline]
-
-    def has_ready_work(self) -> bool:
-        """Whether `schedule` would find something: a running or waiting request, a reserved one
-        whose KV is ready, or one past its KV deadline."""
-        if self.running or self.waiting or any(self.kv_ready(r) for r in self.reserved):
-            return True
-        return bool(self.timed_out())
-
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ready_remote: Sequence[Request] = ()) -> SchedulerOutput:
+        """This step's work: the running requests first (preempting the newest when blocks run
+        out), then `ready_remote` (DECODE requests holding their blocks, whose prompt KV can be
+        loaded now, in arrival order), then the waiting queue, within `max_num_batched_tokens`
+        and `max_num_seqs`. A remote request left out stays with its caller for a later step."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         for request in list(self.running):
@@ -157,6 +101,7 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         if not out.preempted_ids:
+            budget = self._admit_remote(ready_remote, out, budget)
             self._admit_waiting(out, budget)
         return out
 
@@ -177,7 +122,6 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        budget = self._admit_reserved(out, budget)
         block_size = self.kv_cache.spec.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -190,19 +134,16 @@ class Scheduler:
                 break
             request.num_computed_tokens = num_cached
             self.waiting.popleft()
-            self._record_prefix_hit(request, request.num_tokens, num_cached)
+            self.record_prefix_hit(request, request.num_tokens, num_cached)
             self._start(request, num_new, out)
             budget -= num_new
 
-    def _admit_reserved(self, out: SchedulerOutput, budget: int) -> int:
-        """Move reserved DECODE requests whose KV is ready into the running batch (in arrival
-        order); each loads its prompt KV before the step and computes its first token."""
-        for request in list(self.reserved):
+    def _admit_remote(self, ready: Sequence[Request], out: SchedulerOutput, budget: int) -> int:
+        """Start DECODE requests whose prompt KV is ready: each loads it before the step and
+        computes its first token."""
+        for request in ready:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if not self.kv_ready(request):
-                continue
-            self.reserved.remove(request)
             request.num_computed_tokens = request.remote_handle.num_tokens
             out.remote_loads.append(
                 RemoteLoad(
@@ -217,7 +158,7 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _record_prefix_hit(self, request: Request, num_queried: int, num_cached: int) -> None:
+    def record_prefix_hit(self, request: Request, num_queried: int, num_cached: int) -> None:
         """Count a lookup of `num_queried` tokens that found `num_cached`; the first admission's
         hit is the request's `num_cached_tokens`."""
         if self.kv_cache.prefix_caching:
@@ -276,12 +217,10 @@ class Scheduler:
 
     def remove_running(self, request: Request, *, free: bool = True) -> None:
         """Take a request out of the queues; `free=False` keeps its blocks (PREFILL hand-off)."""
-        for queue in (self.running, self.waiting, self.reserved, self.waiting_for_kv):
+        for queue in (self.running, self.waiting):
             if request in queue:
                 queue.remove(request)
                 break
-        if request in self.newly_reserved:
-            self.newly_reserved.remove(request)
         if free:
             self.kv_cache.free(request)
 
@@ -291,5 +230,5 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not running: waiting for a slot or blocks, or for their remote KV."""
-        return len(self.waiting) + len(self.waiting_for_kv) + len(self.reserved)
+        """Requests waiting for a slot or blocks."""
+        return len(self.waiting)

@@ -18,7 +18,6 @@ from services.common.convert import handle_to_proto, logprobs_to_proto, sampling
 from services.common.engine_loop import EngineLoop
 from services.common.errors import ServiceUnavailableError
 from services.common.kv_publisher import KVEventPublisher
-from services.common.kv_transfer_grpc import GrpcKVTransfer
 from services.common.kv_transfer_service import KVTransferServicer, add_kv_transfer_servicer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.prefix_index import make_prefix_index
@@ -32,6 +31,7 @@ from services.common.worker import (
 )
 from services.engine import Engine
 from services.engine.errors import InvalidRequestError
+from services.engine.kv_transfer.sender import KVSender
 
 logger = logging.getLogger(__name__)
 
@@ -83,19 +83,19 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     """Start the prefill worker `config` describes and return once it accepts requests (what
     `serve`, the tests and the Ray deployment call). Raises ValueError naming a bad field,
     RuntimeError when a port cannot be bound."""
-    transfer = GrpcKVTransfer("prefill", lease_s=config.engine.kv_lease_seconds)
-    engine = Engine(config.engine_config(), transfer)
+    sender = KVSender(config.engine.kv_lease_seconds)
+    engine = Engine(config.engine_config(), kv_sender=sender)
     loop = EngineLoop(engine, "prefill")
 
     def expire_leases() -> None:  # nobody renewed them: the decode worker (or router) is gone
-        for request_id in transfer.expire_leases():
+        for request_id in sender.expire_leases():
             logger.warning("KV lease of %s lapsed: its blocks are freed", request_id)
             metrics.KV_TRANSFER_FAILURES.labels("prefill", "lease_expired").inc()
 
     loop.add_idle_hook(expire_leases)
     prefill = PrefillServicer(loop, config)
     kv = KVTransferServicer(
-        transfer, loop.call, engine.kv_peer_info, stall_s=config.debug_kv_stall_seconds
+        sender, loop.call, engine.kv_peer_info, stall_s=config.debug_kv_stall_seconds
     )
     service = start_service(
         "prefill",
@@ -131,7 +131,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
         if publisher is not None:
             publisher.stop()
         loop.stop()
-        transfer.close()
+        sender.close()
 
     def drained() -> bool:  # nothing running, nothing pinned for a decode worker to pull
         return loop.call(lambda: not engine.has_unfinished_requests() and not engine.pinned)

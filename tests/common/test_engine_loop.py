@@ -101,7 +101,7 @@ def test_reserved_blocks_come_back_however_the_receiver_leaves(tiny_llama):
         stream, handle = handoff("written")  # the normal path: write, report, run
         reserved = stream.get(timeout=10)
         assert isinstance(reserved, KVReserved) and free() == 13
-        (piece,) = transfer.pull(handle)
+        (piece,) = transfer.receiver.pull(handle)
         decode.kv_cache.write_blocks(list(reserved.block_ids), piece)
         loop.kv_written("written", ok=True)
         assert [stream.get(timeout=10).finished for _ in range(2)] == [False, True]

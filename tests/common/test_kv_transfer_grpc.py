@@ -7,26 +7,27 @@ import time
 import pytest
 import torch
 
-from services.common.kv_transfer_grpc import GrpcKVTransfer
+from services.common.kv_transfer_grpc import GrpcKVReceiver
 from services.common.kv_transfer_service import KVTransferServicer, add_kv_transfer_servicer
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.common.server import start_service
 from services.engine import EngineRole, SamplingParams
 from services.engine.errors import KVHandshakeError, KVTransferError
+from services.engine.kv_transfer.sender import KVSender
 from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 
 
 @pytest.fixture
 def prefill_side(tiny_llama):
     """A PREFILL engine whose KVTransfer service streams chunks of at most 3 blocks."""
-    transfer = GrpcKVTransfer("prefill")
+    sender = KVSender()
     engine = make_engine(
-        tiny_llama, role=EngineRole.PREFILL, num_blocks=256, block_size=4, kv_transfer=transfer
+        tiny_llama, role=EngineRole.PREFILL, num_blocks=256, block_size=4, kv_sender=sender
     )
     block_bytes = engine.kv_cache.spec.bytes_per_block
     # The test drives the engine itself, one call at a time, so the servicer may touch it directly.
     servicer = KVTransferServicer(
-        transfer, lambda fn: fn(), engine.kv_peer_info, chunk_bytes=3 * block_bytes
+        sender, lambda fn: fn(), engine.kv_peer_info, chunk_bytes=3 * block_bytes
     )
     service = start_service(
         "prefill",
@@ -64,9 +65,9 @@ def test_pull_streams_bounded_chunks_and_decodes_like_both(tiny_llama, prefill_s
     assert all(len(c.data) <= 3 * block_bytes for c in chunks)
     assert chunks[0].HasField("layout") and not chunks[1].HasField("layout")
 
-    transfer = GrpcKVTransfer("decode")
+    transfer = GrpcKVReceiver()
     decode = make_engine(
-        tiny_llama, role=EngineRole.DECODE, num_blocks=256, block_size=4, kv_transfer=transfer
+        tiny_llama, role=EngineRole.DECODE, num_blocks=256, block_size=4, kv_receiver=transfer
     )
     transfer.set_source("r", address)
     decode.add_request(
@@ -99,7 +100,7 @@ def test_pull_of_a_released_handle_fails_cleanly(tiny_llama, prefill_side):
     prefill, address, _ = prefill_side
     handle = _prefill(prefill, "gone", list(range(3, 20)))
     prefill.abort("gone")
-    transfer = GrpcKVTransfer("decode", timeout_s=5)
+    transfer = GrpcKVReceiver(timeout_s=5)
     transfer.set_source("gone", address)
     with pytest.raises(KVTransferError, match="NOT_FOUND"):
         transfer.pull(handle)
@@ -108,7 +109,7 @@ def test_pull_of_a_released_handle_fails_cleanly(tiny_llama, prefill_side):
 def test_pull_from_a_dead_address_fails_within_the_timeout(tiny_llama, prefill_side):
     prefill, _, _ = prefill_side
     handle = _prefill(prefill, "x", list(range(3, 20)))
-    transfer = GrpcKVTransfer("decode", timeout_s=2)
+    transfer = GrpcKVReceiver(timeout_s=2)
     transfer.set_source("x", "127.0.0.1:1")
     with pytest.raises(KVTransferError, match="UNAVAILABLE|DEADLINE_EXCEEDED"):
         transfer.pull(handle)
@@ -154,8 +155,8 @@ def test_partial_pulls_skip_cached_blocks(tiny_llama, prefill_side):
     with their offsets; a pull of no blocks sends nothing."""
     prefill, address, block_bytes = prefill_side
     handle = _prefill(prefill, "p", list(range(3, 40)))  # 10 blocks of 4, chunks of 3
-    whole = prefill.read_kv(handle)
-    transfer = GrpcKVTransfer("decode")
+    whole = prefill.export.read_kv(handle)
+    transfer = GrpcKVReceiver()
     transfer.set_source("p", address)
     chunks = list(transfer.pull_chunks(handle, first_block=6))
     assert [(offset, piece.shape[2]) for offset, piece in chunks] == [(0, 3), (3, 1)]
@@ -192,12 +193,12 @@ def test_handshake_refuses_another_layout_on_both_sides(tiny_llama, prefill_side
     refused_before = _counter(
         "pdserve_kv_transfer_failures_total", role="prefill", reason="handshake"
     )
-    transfer = GrpcKVTransfer("decode", timeout_s=5)
+    transfer = GrpcKVReceiver(timeout_s=5)
     decode = make_engine(
         tiny_llama,
         role=EngineRole.DECODE,
         num_blocks=64,
-        kv_transfer=transfer,
+        kv_receiver=transfer,
         **{"block_size": 4, **overrides},
     )
     transfer.set_source("h", address)
@@ -222,22 +223,22 @@ def test_the_destination_renews_leases_while_it_wants_the_kv(tiny_llama, prefill
     """A 0.6 s lease stays alive for 2 s while the destination holds the request (renewals every
     0.2 s), and lapses within a lease once it lets go; late messages then change nothing."""
     prefill, address, _ = prefill_side
-    prefill.kv_transfer.leases.lease_s = 0.6
+    prefill.kv_sender.leases.lease_s = 0.6
     handle = _prefill(prefill, "kept", list(range(3, 20)))
-    transfer = GrpcKVTransfer("decode", timeout_s=5)
+    transfer = GrpcKVReceiver(timeout_s=5)
     decode = make_engine(
-        tiny_llama, role=EngineRole.DECODE, num_blocks=64, block_size=4, kv_transfer=transfer
+        tiny_llama, role=EngineRole.DECODE, num_blocks=64, block_size=4, kv_receiver=transfer
     )
     transfer.set_source("kept", address)
     transfer.connect(handle, decode.kv_peer_info)  # learns the source's 0.6 s lease
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
-        assert prefill.kv_transfer.expire_leases() == []
+        assert prefill.kv_sender.expire_leases() == []
         time.sleep(0.05)
     assert prefill.num_pinned_blocks == len(handle.block_ids)
     transfer.forget("kept")
     lapsed_at = time.monotonic() + 0.6 + 0.3
-    while not prefill.kv_transfer.expire_leases():
+    while not prefill.kv_sender.expire_leases():
         assert time.monotonic() < lapsed_at, "the lease did not lapse"
         time.sleep(0.02)
     assert prefill.num_pinned_blocks == 0

@@ -8,12 +8,22 @@ from services.engine.outputs import RequestOutput
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def make_engine(model: str, *, poison: bool = True, kv_transfer=None, **config) -> Engine:
-    """An engine with a shuffled free list and (by default) every free block filled with NaN,
+def make_engine(
+    model: str,
+    *,
+    poison: bool = True,
+    kv_transfer=None,
+    kv_sender=None,
+    kv_receiver=None,
+    **config,
+) -> Engine:
+    """An engine (`kv_transfer`: an in-memory pair, else `kv_sender` / `kv_receiver`) with a
+    shuffled free list and (by default) every free block filled with NaN,
     so a read outside a request's own blocks turns its output into garbage."""
-    engine = Engine(
-        EngineConfig(model=model, shuffle_free_blocks=True, **{"seed": 0, **config}), kv_transfer
-    )
+    config = EngineConfig(model=model, shuffle_free_blocks=True, **{"seed": 0, **config})
+    if kv_transfer is not None:  # an InMemoryKVTransfer: both sides in this process
+        kv_sender, kv_receiver = kv_transfer.sender, kv_transfer.receiver
+    engine = Engine(config, kv_sender, kv_receiver)
     if poison:
         engine.kv_cache.kv.fill_(float("nan"))
     return engine

@@ -84,7 +84,7 @@ def test_prefill_plus_decode_equals_both(tiny_model, block_size):
     assert all(n == 1 for step in steps for n in step.values())
     assert len(steps[0]) == len(requests)
     # Every transfer completed and the prefill side released every pinned block.
-    assert all(transfer.status(rid) == TransferStatus.COMPLETED for rid in handles)
+    assert all(transfer.sender.status(rid) == TransferStatus.COMPLETED for rid in handles)
     assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
     assert not prefill.pinned
     assert decode.kv_cache.pool.num_free_blocks == decode.kv_cache.num_blocks
@@ -97,14 +97,14 @@ def test_decode_uses_the_transferred_kv(tiny_llama):
     prefill, decode, transfer = _pair(tiny_llama)
     clean, _, _ = _disaggregated(prefill, decode, {"a": (prompt, params)})
     prefill, decode, transfer = _pair(tiny_llama)
-    original_read = prefill.read_kv
+    original_read = prefill.export.read_kv
 
     def corrupted_read(handle, first_block=0):
         data = original_read(handle, first_block)
         data[:, :, 1] = 0.0  # zero the second block of every layer's K and V
         return data
 
-    prefill.read_kv = corrupted_read
+    prefill.export.read_kv = corrupted_read
     corrupted, _, _ = _disaggregated(prefill, decode, {"a": (prompt, params)})
     assert corrupted["a"] != clean["a"]
 
@@ -133,7 +133,7 @@ def test_decode_finishes_at_admission_when_first_token_ends_it(tiny_llama):
         and done.output_token_ids == out.output_token_ids
     )
     assert decode.last_forward_tokens == {}
-    assert transfer.status("a") == TransferStatus.COMPLETED
+    assert transfer.sender.status("a") == TransferStatus.COMPLETED
     assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
 
 
@@ -144,7 +144,7 @@ def test_abort_pinned_request_frees_blocks_and_revokes(tiny_llama):
     assert prefill.kv_cache.pool.num_used_blocks == 3
     prefill.abort("a")
     assert prefill.kv_cache.pool.num_free_blocks == prefill.kv_cache.num_blocks
-    assert transfer.status("a") == TransferStatus.REVOKED
+    assert transfer.sender.status("a") == TransferStatus.REVOKED
     decode.add_request(
         list(range(2, 40)),
         SamplingParams(max_tokens=4, **GREEDY),
@@ -242,5 +242,5 @@ def test_source_serves_only_the_pinned_requests_own_blocks(tiny_llama):
         handle, block_ids=tuple(b for b in range(2) if b not in handle.block_ids) or (999,)
     )
     with pytest.raises(KeyError):
-        prefill.read_kv(forged)
-    assert prefill.read_kv(handle).shape[2] == len(handle.block_ids)
+        prefill.export.read_kv(forged)
+    assert prefill.export.read_kv(handle).shape[2] == len(handle.block_ids)

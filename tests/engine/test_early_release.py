@@ -13,18 +13,21 @@ def test_release_before_publish_unpins_at_publish(tiny_llama):
     transfer = InMemoryKVTransfer()
     prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=64, kv_transfer=transfer)
     prefill.add_request([5, 6, 7, 8], SamplingParams(max_tokens=4, **GREEDY), request_id="late")
-    assert transfer.release("late") is False  # nothing published yet: remembered
+    assert transfer.sender.release("late") is False  # nothing published yet: remembered
     outputs = prefill.step()
     assert [o.request_id for o in outputs] == ["late"] and outputs[0].kv_handle is not None
     assert prefill.num_pinned_blocks == 0 and prefill.kv_cache.pool.num_free_blocks == 64
-    assert transfer.status("late") == TransferStatus.COMPLETED
-    assert transfer.release("late") is False  # a duplicate is harmless
+    assert transfer.sender.status("late") == TransferStatus.COMPLETED
+    assert transfer.sender.release("late") is False  # a duplicate is harmless
 
 
 def test_release_of_an_other_request_does_not_touch_this_one(tiny_llama):
     transfer = InMemoryKVTransfer()
     prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=64, kv_transfer=transfer)
-    transfer.release("someone-else")
+    transfer.sender.release("someone-else")
     prefill.add_request([5, 6, 7, 8], SamplingParams(max_tokens=4, **GREEDY), request_id="mine")
     prefill.step()
-    assert prefill.num_pinned_blocks == 1 and transfer.status("mine") == TransferStatus.PUBLISHED
+    assert (
+        prefill.num_pinned_blocks == 1
+        and transfer.sender.status("mine") == TransferStatus.PUBLISHED
+    )

@@ -70,18 +70,20 @@ def test_late_and_duplicate_messages_are_harmless():
 def test_engine_frees_a_lapsed_pin_and_ignores_its_late_completion(tiny_llama):
     clock = FakeClock()
     transfer = InMemoryKVTransfer(lease_s=5.0)
-    transfer.leases.clock = clock
+    transfer.sender.leases.clock = clock
     prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=32, kv_transfer=transfer)
     handle = _prefill(prefill, "a", 40)
     assert prefill.num_pinned_blocks == 3
     clock.now += 4
-    assert transfer.renew("a") and transfer.expire_leases() == []
+    assert transfer.sender.renew("a") and transfer.sender.expire_leases() == []
     clock.now += 6
-    assert transfer.expire_leases() == ["a"]
+    assert transfer.sender.expire_leases() == ["a"]
     assert prefill.num_pinned_blocks == 0 and prefill.kv_cache.pool.num_used_blocks == 0
-    transfer.complete(handle)  # the decode worker's completion arrives late: nothing happens
+    transfer.receiver.complete(
+        handle
+    )  # the decode worker's completion arrives late: nothing happens
     with pytest.raises(RequestNotFoundError):
-        transfer.pull(handle)
+        transfer.receiver.pull(handle)
     prefill.check_integrity()
 
 
@@ -128,29 +130,29 @@ def test_random_transfer_messages_never_leak_or_double_free(tiny_llama_engine_pa
             handles[rid] = _prefill(prefill, rid, 5 + 7 * n)
         elif op == "pull" and rid in handles:
             try:
-                (data,) = transfer.pull(handles[rid])
+                (data,) = transfer.receiver.pull(handles[rid])
                 assert data.shape[2] == len(handles[rid].block_ids)
             except RequestNotFoundError:
                 assert rid not in prefill.pinned
         elif op == "renew":
-            assert transfer.renew(rid) == (rid in prefill.pinned)
+            assert transfer.sender.renew(rid) == (rid in prefill.pinned)
         elif op == "complete" and rid in handles:
-            transfer.complete(handles[rid])
+            transfer.receiver.complete(handles[rid])
         elif op == "abort" and rid in prefill.pinned:
             prefill.abort(rid)
         elif op == "tick":
             clock.now += n
         elif op == "expire":
-            transfer.expire_leases()
+            transfer.sender.expire_leases()
         live = {
             r
             for r in handles
-            if transfer.status(r) in (TransferStatus.PUBLISHED, TransferStatus.PULLING)
+            if transfer.sender.status(r) in (TransferStatus.PUBLISHED, TransferStatus.PULLING)
         }
         assert live == set(prefill.pinned)
         prefill.check_integrity()
     clock.now += 1000
-    transfer.expire_leases()
+    transfer.sender.expire_leases()
     assert not prefill.pinned and prefill.kv_cache.pool.num_used_blocks == 0
     prefill.check_integrity()
 
@@ -161,7 +163,7 @@ def tiny_llama_engine_pair(tiny_llama):
     every hypothesis example by the final expiry)."""
     clock = FakeClock()
     transfer = InMemoryKVTransfer(lease_s=6.0)
-    transfer.leases.clock = clock
+    transfer.sender.leases.clock = clock
     engine = make_engine(
         tiny_llama,
         role=EngineRole.PREFILL,
@@ -191,10 +193,10 @@ def test_an_end_during_a_pull_waits_for_the_pull(tiny_llama):
     transfer = InMemoryKVTransfer()
     prefill = make_engine(tiny_llama, role=EngineRole.PREFILL, num_blocks=32, kv_transfer=transfer)
     _prefill(prefill, "b", 40)
-    transfer.leases.begin_pull("b")
+    transfer.sender.leases.begin_pull("b")
     prefill.abort("b")  # the client went away while a decode worker reads the blocks
-    assert prefill.num_pinned_blocks == 3 and transfer.status("b") == TransferStatus.PULLING
-    transfer.end_pull("b")
-    assert prefill.num_pinned_blocks == 0 and transfer.status("b") == TransferStatus.REVOKED
+    assert prefill.num_pinned_blocks == 3 and transfer.sender.status("b") == TransferStatus.PULLING
+    transfer.sender.end_pull("b")
+    assert prefill.num_pinned_blocks == 0 and transfer.sender.status("b") == TransferStatus.REVOKED
     assert prefill.kv_cache.pool.num_used_blocks == 0
     prefill.check_integrity()

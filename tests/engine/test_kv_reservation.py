@@ -7,21 +7,27 @@ import pytest
 
 from services.engine import EngineRole, SamplingParams
 from services.engine.errors import ResourceExhaustedError
-from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
+from services.engine.kv_transfer.in_memory import InMemoryKVReceiver, InMemoryKVTransfer
 from services.engine.kv_transfer.lease import TransferStatus
 from tests.engine.helpers import GREEDY, make_engine
 from tests.engine.test_kv_lease import FakeClock
 
 
-class GatedTransfer(InMemoryKVTransfer):
-    """In-memory transfer whose KV is "on the wire" until the test opens the gate for it."""
+class GatedReceiver(InMemoryKVReceiver):
+    """In-memory receiver whose KV is "on the wire" until the test opens the gate for it."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, sender) -> None:
+        super().__init__(sender)
         self.arrived: set[str] = set()
 
     def is_ready(self, handle) -> bool:
         return handle.request_id in self.arrived
+
+
+class GatedTransfer(InMemoryKVTransfer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.receiver = GatedReceiver(self.sender)
 
 
 @pytest.fixture
@@ -39,7 +45,7 @@ def pair(tiny_llama):
         kv_transfer_timeout_s=5.0,
     )
     clock = FakeClock()
-    decode.scheduler.clock = clock
+    decode.reservations.clock = clock
     return prefill, decode, transfer, clock
 
 
@@ -70,14 +76,14 @@ def test_blocks_are_reserved_before_the_kv_arrives_and_the_queue_is_bounded(pair
         _handoff(prefill, decode, "e")
     assert "e" not in decode.requests
     prefill.abort("e")
-    transfer.arrived.add("a")  # a's KV lands: it runs to the end and frees its blocks
+    transfer.receiver.arrived.add("a")  # a's KV lands: it runs to the end and frees its blocks
     tokens = _run(decode)
     assert list(tokens) == ["a"] and len(tokens["a"]) == 6
     assert _reserved(decode) == [("c", 0)]  # first come, first served
     decode.abort("b")
     assert _reserved(decode) == [("d", 0)]
     for rid in ("c", "d"):
-        transfer.arrived.add(rid)
+        transfer.receiver.arrived.add(rid)
     assert set(_run(decode)) == {"c", "d"}
     assert pool.num_free_blocks == 10 and prefill.num_pinned_blocks == 0
     decode.check_integrity()
@@ -101,7 +107,7 @@ def test_kv_that_never_arrives_times_out_and_frees_everything(pair):
     }
     assert decode.kv_cache.pool.num_free_blocks == 10 and not decode.requests
     assert (
-        transfer.status(handle.request_id) == TransferStatus.COMPLETED
+        transfer.sender.status(handle.request_id) == TransferStatus.COMPLETED
     )  # the source was told to unpin
     assert prefill.num_pinned_blocks == 0
     decode.check_integrity()
@@ -111,17 +117,17 @@ def test_reserved_request_hits_its_own_prefix_cache_and_pulls_only_the_rest(pair
     prefill, decode, transfer, _ = pair
     _handoff(prefill, decode, "first", start=7)
     _reserved(decode)
-    transfer.arrived.add("first")
+    transfer.receiver.arrived.add("first")
     first = _run(decode)["first"]
     handle = _handoff(
         prefill, decode, "again", start=7
     )  # same 60-token prompt: 3 full blocks cached here
     assert _reserved(decode) == [("again", 3)]
-    pulled = transfer.bytes_transferred
-    transfer.arrived.add("again")
+    pulled = transfer.receiver.bytes_transferred
+    transfer.receiver.arrived.add("again")
     assert _run(decode)["again"] == first
     assert (
-        transfer.bytes_transferred - pulled
+        transfer.receiver.bytes_transferred - pulled
         == (len(handle.block_ids) - 3) * decode.kv_cache.spec.bytes_per_block
     )
 
@@ -136,15 +142,17 @@ def test_a_caller_writes_claimed_kv_and_an_ended_request_waits_for_it(pair, tiny
     prefill, decode, transfer, clock = pair
     handle = _handoff(prefill, decode, "w")
     (reserved,) = decode.take_reserved(claim_writes=True)
-    assert reserved.block_ids == tuple(decode.scheduler.reserved[0].block_table[:4])
-    transfer.arrived.add("w")  # the transfer could serve it, but the caller claimed the writes
+    assert reserved.block_ids == tuple(decode.reservations.reserved[0].block_table[:4])
+    transfer.receiver.arrived.add(
+        "w"
+    )  # the transfer could serve it, but the caller claimed the writes
     assert not decode.has_unfinished_requests()
-    for piece in transfer.pull(handle):
+    for piece in transfer.receiver.pull(handle):
         decode.kv_cache.write_blocks(list(reserved.block_ids), piece)
-    pulled = transfer.bytes_transferred
+    pulled = transfer.receiver.bytes_transferred
     decode.kv_written("w", ok=True)
     assert _run(decode)["w"] == _both(tiny_llama, "w")
-    assert transfer.bytes_transferred == pulled  # the engine did not pull again
+    assert transfer.receiver.bytes_transferred == pulled  # the engine did not pull again
 
     _handoff(prefill, decode, "gone")
     decode.take_reserved(claim_writes=True)

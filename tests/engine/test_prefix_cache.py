@@ -197,7 +197,7 @@ def test_decode_engine_keeps_its_own_prefix_cache(tiny_llama):
     def turn(prompt, request_id):
         prefill.add_request(prompt, SamplingParams(max_tokens=20, **GREEDY), request_id=request_id)
         (handoff,) = prefill.step()
-        before = transfer.bytes_transferred
+        before = transfer.receiver.bytes_transferred
         decode.add_request(
             prompt,
             SamplingParams(max_tokens=20, **GREEDY),
@@ -210,7 +210,7 @@ def test_decode_engine_keeps_its_own_prefix_cache(tiny_llama):
                     result = out
             decode.check_integrity()
         assert result.output_token_ids == _run(both, prompt, 20, request_id)[0]
-        return result, (transfer.bytes_transferred - before) // bytes_per_block
+        return result, (transfer.receiver.bytes_transferred - before) // bytes_per_block
 
     first_prompt = list(range(2, 2 + 40))
     first, pulled = turn(first_prompt, "turn-1")

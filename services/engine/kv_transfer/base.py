@@ -1,16 +1,21 @@
-"""The KV-transfer interface shared by every backend (in-memory here; gRPC in services/common).
+"""The KV-transfer interfaces: a sender side and a receiver side (SGLang's KVSender/KVReceiver,
+vLLM's scheduler-side/worker-side connector split).
 
 Pull model (as vLLM's NixlConnector): the PREFILL engine keeps a finished request's blocks pinned
-under a lease (`lease.py`) and publishes a `KVHandle`. The DECODE engine reserves blocks of its
-own, handshakes with the source once (`handshake.py`), pulls the blocks it lacks through the
-handle, writes them into its cache, then calls `complete()` so the source releases the pin
-exactly once. A destination that dies stops renewing the lease, and the source frees the blocks
-when it lapses.
+under a lease (`lease.py`) and publishes a `KVHandle` through its `KVSender` (`sender.py`, the
+transport-free source side every backend serves). The DECODE engine reserves blocks of its own,
+handshakes with the source once (`handshake.py`), pulls the blocks it lacks through its
+backend's `KVReceiver`, writes them into its cache, then calls `complete()` so the source
+releases the pin exactly once. A destination that dies stops renewing the lease, and the source
+frees the blocks when it lapses. Backends: `in_memory.py` (both engines in one process) and
+`services/common/kv_transfer_grpc.py` (across processes); each runs the contract suite in
+tests/engine/test_kv_transfer_contract.py.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +24,6 @@ from services.engine.kv_transfer.handle import KVHandle
 
 if TYPE_CHECKING:
     from services.engine.kv_transfer.handshake import KVPeerInfo
-    from services.engine.kv_transfer.lease import TransferStatus
 
 
 class KVSource(ABC):
@@ -51,44 +55,13 @@ class KVSource(ABC):
         """Unpin the request's blocks; a second call for the same request does nothing."""
 
 
-class KVTransfer(ABC):
-    """Moves pinned prompt blocks from a source engine to a destination engine.
+class KVReceiver(ABC):
+    """The destination side of a transfer, one per backend: how a DECODE engine gets the
+    prompt KV a KVHandle names from the `KVSender` that published it.
 
-    Source-side methods run on the source engine's thread; `renew` and `status` may run on any.
+    A DECODE engine calls these on its own thread (`pull` there only when `is_ready`; a backend
+    that streams, as gRPC does, lets the worker write the KV off the engine thread instead).
     """
-
-    # -- source side ---------------------------------------------------------------------------
-
-    @abstractmethod
-    def register_source(self, engine_id: str, source: KVSource) -> None:
-        """Make `source`'s handles pullable under `engine_id`."""
-
-    @abstractmethod
-    def publish(self, handle: KVHandle) -> None:
-        """The handle's blocks are pinned and may be pulled; their lease starts now. A
-        completion that arrived before the publish (the client cancelled while the prefill ran)
-        releases the pin at once."""
-
-    @abstractmethod
-    def revoke(self, request_id: str) -> bool:
-        """The source aborted the request: later pulls fail with RequestNotFoundError. True if
-        the source may free the pin now; False while a pull reads the blocks (the transfer then
-        frees them through `KVSource.release_kv` when that pull ends)."""
-
-    @abstractmethod
-    def renew(self, request_id: str) -> bool:
-        """Extend the request's lease by the lease length from now; False if it already ended
-        (the destination should give up on it)."""
-
-    @abstractmethod
-    def expire_leases(self) -> list[str]:
-        """Release every pin whose lease lapsed with no pull in progress; returns their ids."""
-
-    @abstractmethod
-    def status(self, request_id: str) -> TransferStatus | None:
-        """Current status of a request's transfer, or None if never published here."""
-
-    # -- destination side ----------------------------------------------------------------------
 
     @abstractmethod
     def connect(self, handle: KVHandle, local: KVPeerInfo) -> None:
@@ -110,10 +83,26 @@ class KVTransfer(ABC):
         received messages: copy, never write).
 
         Raises RequestNotFoundError for an unknown or released handle, KVTransferError when
-        the source cannot be reached in time.
+        the source cannot be reached in time (reason "unavailable" for a dead one).
         """
 
     @abstractmethod
     def complete(self, handle: KVHandle) -> None:
         """Done with the handle (the KV landed, or the request ended before it did): the source
         may free its blocks. Idempotent; a late or duplicate call is harmless."""
+
+    def close(self) -> None:  # noqa: B027 - most receivers hold nothing to close
+        """Release what the receiver holds (threads, channels)."""
+
+
+RECEIVERS: dict[str, type[KVReceiver]] = {}
+
+
+def register_receiver(name: str) -> Callable[[type[KVReceiver]], type[KVReceiver]]:
+    """Class decorator: list a KVReceiver backend under `name` (in_memory, grpc, ...)."""
+
+    def register(cls: type[KVReceiver]) -> type[KVReceiver]:
+        RECEIVERS[name] = cls
+        return cls
+
+    return register
