@@ -19,8 +19,8 @@ from services.common.config import (
     DecodeConfig,
     PrefillConfig,
     RouterConfig,
-    from_json,
 )
+from services.common.config_json import from_json
 from services.engine.config import EngineConfig
 from services.flags import add_config_flags, config_from_args
 

@@ -15,39 +15,23 @@ carries only the ready line. No helper threads also means forking a child never 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import io
 import json
 import os
-import selectors
 import signal
-import subprocess
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.config import ClusterConfig, to_json
+from services.children import Child, ChildSpec, Pipes
+from services.common.config import ClusterConfig
+from services.common.config_json import to_json
 
 READY_PREFIX = "ready "
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_STDERR_TAIL_LINES = 20
 
 
 # --- what to start -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ChildSpec:
-    """One service to start: `argv` must print a `ready {json}` line on stdout when ready."""
-
-    name: str  # "prefill-0", for log prefixes and messages
-    role: str  # "router" | "prefill" | "decode"
-    argv: list[str]
-    config: Any = None  # the role config `argv` hands the child (RouterConfig, PrefillConfig, ...)
 
 
 @dataclass(frozen=True)
@@ -58,6 +42,14 @@ class ClusterSpec:
     router: Callable[[list[str], list[str]], ChildSpec]  # (prefill addrs, decode addrs) -> spec
     start_timeout: float = 120.0  # seconds for each stage (workers, router) to become ready
     stop_timeout: float = 10.0  # seconds between SIGTERM and SIGKILL
+
+
+class StartError(Exception):
+    """A child exited, timed out or printed a bad ready line before it was ready."""
+
+
+class _Stopped(Exception):
+    """SIGINT/SIGTERM arrived while starting."""
 
 
 def _command(role: str, config: Any) -> list[str]:
@@ -85,122 +77,6 @@ def cluster_spec(config: ClusterConfig) -> ClusterSpec:
     return ClusterSpec(workers, router, start_timeout=config.start_timeout)
 
 
-# --- children ------------------------------------------------------------------------------
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    """libc's prctl, resolved in the parent so the forked child only has to call it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return libc.prctl
-
-
-def _child_setup(parent_pid: int) -> Callable[[], None]:
-    """Runs in the child between fork and exec: own process group (a terminal's Ctrl-C reaches
-    only the supervisor, which stops children in order) and SIGTERM when the supervisor dies."""
-    prctl = _load_prctl()
-
-    def setup() -> None:
-        os.setpgid(0, 0)
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
-            os._exit(1)
-
-    return setup
-
-
-class _Child:
-    """A started service: its process, what its ready line said, the tail of its stderr."""
-
-    def __init__(self, spec: ChildSpec, env: dict[str, str]) -> None:
-        self.spec = spec
-        self.info: dict | None = None  # the JSON of its ready line
-        self.bad_ready: str | None = None  # a ready line that did not parse
-        self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
-        self.proc = subprocess.Popen(
-            spec.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            preexec_fn=_child_setup(os.getpid()),
-        )
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def ready(self) -> dict:
-        """The JSON of its ready line (only once it printed one)."""
-        assert self.info is not None, f"{self.name} is not ready"
-        return self.info
-
-    def describe(self, what: str) -> str:
-        """ "NAME (pid N) WHAT; last stderr lines: ..." for an error message."""
-        tail = "".join(f"\n  {line}" for line in self.stderr_tail)
-        return f"{self.name} (pid {self.proc.pid}) {what}" + (
-            f"; last stderr lines:{tail}" if tail else ""
-        )
-
-
-class StartError(Exception):
-    """A child exited, timed out or printed a bad ready line before it was ready."""
-
-
-class _Stopped(Exception):
-    """SIGINT/SIGTERM arrived while starting."""
-
-
-class _Pipes:
-    """Reads children's stdout and stderr line by line, from one thread, without blocking."""
-
-    _MAX_LINE = 1 << 20  # a longer run without a newline is passed on as a line of its own
-
-    def __init__(self, on_line: Callable[[_Child, str, str], None]) -> None:
-        self._selector = selectors.DefaultSelector()
-        self._partial: dict[int, bytes] = {}
-        self._on_line = on_line
-
-    def add(self, child: _Child) -> None:
-        assert child.proc.stdout is not None and child.proc.stderr is not None  # PIPEs
-        self._selector.register(child.proc.stdout, selectors.EVENT_READ, (child, "stdout"))
-        self._selector.register(child.proc.stderr, selectors.EVENT_READ, (child, "stderr"))
-
-    def is_open(self, child: _Child) -> bool:
-        return any(key.data[0] is child for key in self._selector.get_map().values())
-
-    def pump(self, timeout: float) -> None:
-        """Handle every complete line that arrives within `timeout` seconds."""
-        if not self._selector.get_map():
-            time.sleep(timeout)
-            return
-        for key, _ in self._selector.select(timeout):
-            child, stream = key.data
-            data = os.read(key.fd, 65536)
-            buffered = self._partial.pop(key.fd, b"") + data
-            if not data:  # EOF: the child closed the stream (usually: it exited)
-                self._selector.unregister(key.fileobj)
-                _close(key.fileobj)
-                lines = [buffered] if buffered else []
-            else:
-                *lines, rest = buffered.split(b"\n")
-                if len(rest) > self._MAX_LINE:
-                    lines.append(rest)
-                elif rest:
-                    self._partial[key.fd] = rest
-            for line in lines:
-                self._on_line(child, stream, line.decode(errors="replace").rstrip("\r"))
-
-    def close(self) -> None:
-        for key in list(self._selector.get_map().values()):
-            self._selector.unregister(key.fileobj)
-            _close(key.fileobj)
-        self._selector.close()
-
-
 # --- the supervisor ------------------------------------------------------------------------
 
 
@@ -212,8 +88,8 @@ class Supervisor:
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
-        self.children: list[_Child] = []
-        self._pipes = _Pipes(self._on_line)
+        self.children: list[Child] = []
+        self._pipes = Pipes(self._on_line)
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # ready lines arrive at once
         self._stop_requested = False
 
@@ -262,19 +138,19 @@ class Supervisor:
             "services": services,
         }
 
-    def _children(self, role: str) -> list[_Child]:
+    def _children(self, role: str) -> list[Child]:
         return [c for c in self.children if c.spec.role == role]
 
     def _request_stop(self, signum: int, frame: object) -> None:
         self._stop_requested = True
 
-    def _start(self, spec: ChildSpec) -> _Child:
-        child = _Child(spec, self._env)
+    def _start(self, spec: ChildSpec) -> Child:
+        child = Child(spec, self._env)
         self.children.append(child)
         self._pipes.add(child)
         return child
 
-    def _wait_ready(self, children: list[_Child]) -> None:
+    def _wait_ready(self, children: list[Child]) -> None:
         """Until every child printed its ready line; StartError if one exits or times out first."""
         deadline = time.monotonic() + self.spec.start_timeout
         while pending := [c for c in children if c.info is None]:
@@ -310,13 +186,13 @@ class Supervisor:
                     return 1
         return 0
 
-    def _drain(self, child: _Child, limit: float = 1.0) -> None:
+    def _drain(self, child: Child, limit: float = 1.0) -> None:
         """Read what an exited child left in its pipes (bounded: a grandchild may hold them)."""
         deadline = time.monotonic() + limit
         while self._pipes.is_open(child) and time.monotonic() < deadline:
             self._pipes.pump(0.05)
 
-    def _on_line(self, child: _Child, stream: str, line: str) -> None:
+    def _on_line(self, child: Child, stream: str, line: str) -> None:
         if stream == "stdout" and child.info is None and line.startswith(READY_PREFIX):
             child.info = _parse_ready(line)
             child.bad_ready = None if child.info is not None else line
@@ -344,12 +220,6 @@ class Supervisor:
             child.proc.wait()
             self._drain(child, limit=0.2)
         self._pipes.close()
-
-
-def _close(pipe: object) -> None:
-    """Close a registered pipe (always a child's stdout or stderr file object)."""
-    assert isinstance(pipe, io.IOBase)
-    pipe.close()
 
 
 def _parse_ready(line: str) -> dict | None:

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from services import cli, launcher, placement
-from services.common.config import to_json
+from services.common.config_json import to_json
 from services.common.errors import ServiceUnavailableError
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.common.server import start_service

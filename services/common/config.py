@@ -3,7 +3,7 @@
 `RouterConfig`, `PrefillConfig` and `DecodeConfig` (each worker config holds its `EngineConfig`)
 describe one service; `ClusterConfig` describes a local cluster (`pdserve serve`) and derives
 its children's configs. The CLI's flags are generated from these fields (`services/flags.py`),
-`pdserve serve` hands each child its config as JSON (`to_json` / `from_json`), and every service
+`pdserve serve` hands each child its config as JSON (`config_json.py`), and every service
 can be started in-process from its config object (the tests, and the Ray deployment). Each
 default is written here once; a new setting is a new field, and every entry point gets it.
 
@@ -13,12 +13,10 @@ Imports no torch (the router and the CLI load this module).
 from __future__ import annotations
 
 import dataclasses
-import enum
-import json
 import typing
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from services.engine.config import DEFAULT_MODEL, EngineConfig, EngineRole
 from services.flags import flag
@@ -288,56 +286,3 @@ class ClusterConfig:
 
     def _engine(self, name: str) -> EngineConfig:
         return dataclasses.replace(self.engine, engine_id=f"{name}-{uuid.uuid4().hex[:12]}")
-
-
-# -- JSON -----------------------------------------------------------------------------------
-
-
-def to_dict(config: Any) -> dict[str, Any]:
-    """A config as plain JSON values (nested configs as objects, enums as their values)."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            value = to_dict(value)
-        elif isinstance(value, enum.Enum):
-            value = value.value
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[f.name] = value
-    return out
-
-
-def to_json(config: Any) -> str:
-    return json.dumps(to_dict(config), sort_keys=True)
-
-
-def from_dict(cls: type[C], data: dict[str, Any]) -> C:
-    """Rebuild a config of type `cls` from `to_dict` output; ValueError names an unknown or
-    bad field (fields left out keep their defaults)."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{cls.__name__}: expected a JSON object, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    if unknown := sorted(set(data) - known):
-        raise ValueError(f"{unknown[0]}: not a field of {cls.__name__}")
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            value = from_dict(hint, value)  # type: ignore[arg-type]
-        elif isinstance(hint, type) and issubclass(hint, enum.Enum):
-            value = hint(value)
-        elif typing.get_origin(hint) is tuple and isinstance(value, list):
-            value = tuple(value)
-        kwargs[name] = value
-    return cls(**kwargs)
-
-
-def from_json(cls: type[C], text: str) -> C:
-    """`from_dict` of a JSON text; ValueError for bad JSON or a bad field."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"config: not JSON ({exc})") from None
-    return from_dict(cls, data)

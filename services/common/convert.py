@@ -93,41 +93,36 @@ def handle_from_proto(msg: common_pb2.KVHandle) -> tuple[KVHandle, str]:
     return handle, msg.source
 
 
-def layout_to_proto(spec: KVCacheSpec) -> common_pb2.KVLayout:
+def layout_to_proto(spec: KVCacheSpec, layout: str = KV_TENSOR_LAYOUT) -> common_pb2.KVLayout:
     return common_pb2.KVLayout(
         num_layers=spec.num_layers,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         block_size=spec.block_size,
         dtype=dtype_name(spec.dtype),
-        layout=KV_TENSOR_LAYOUT,
+        layout=layout,
     )
 
 
 def layout_from_proto(msg: common_pb2.KVLayout) -> KVCacheSpec:
     """Raises ValueError for an unknown dtype or tensor layout."""
+    if msg.layout != KV_TENSOR_LAYOUT:
+        raise ValueError(f"kv_layout.layout: expected {KV_TENSOR_LAYOUT!r}, got {msg.layout!r}")
+    return _spec_from_proto(msg)
+
+
+def _spec_from_proto(msg: common_pb2.KVLayout) -> KVCacheSpec:
     from services.engine.kv_cache import KVCacheSpec
 
     if msg.dtype not in DTYPES:
         raise ValueError(f"kv_layout.dtype: unknown {msg.dtype!r}")
-    if msg.layout != KV_TENSOR_LAYOUT:
-        raise ValueError(f"kv_layout.layout: expected {KV_TENSOR_LAYOUT!r}, got {msg.layout!r}")
-    return KVCacheSpec(
-        msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, _torch_dtypes()[msg.dtype]
-    )
+    dtype = _torch_dtypes()[msg.dtype]
+    return KVCacheSpec(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, dtype)
 
 
 def peer_info_to_proto(info: KVPeerInfo) -> tuple[str, common_pb2.KVLayout]:
     """(model_id, layout) of a handshake message."""
-    layout = common_pb2.KVLayout(
-        num_layers=info.num_layers,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        block_size=info.block_size,
-        dtype=dtype_name(info.dtype),
-        layout=info.layout,
-    )
-    return info.model_id, layout
+    return info.model_id, layout_to_proto(info.spec, info.layout)
 
 
 def peer_info_from_proto(model_id: str, msg: common_pb2.KVLayout) -> KVPeerInfo:
@@ -135,14 +130,4 @@ def peer_info_from_proto(model_id: str, msg: common_pb2.KVLayout) -> KVPeerInfo:
     report, not a parse error); raises ValueError only for an unknown dtype name."""
     from services.engine.kv_transfer.handshake import KVPeerInfo
 
-    if msg.dtype not in DTYPES:
-        raise ValueError(f"kv_layout.dtype: unknown {msg.dtype!r}")
-    return KVPeerInfo(
-        model_id,
-        _torch_dtypes()[msg.dtype],
-        msg.num_layers,
-        msg.num_kv_heads,
-        msg.head_dim,
-        msg.block_size,
-        msg.layout,
-    )
+    return KVPeerInfo(model_id, _spec_from_proto(msg), msg.layout)

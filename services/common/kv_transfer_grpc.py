@@ -115,9 +115,8 @@ class GrpcKVReceiver(KVReceiver):
         self, request_id: str, address: str, exc: grpc.RpcError, what: str
     ) -> KVTransferError:
         reason = exc.code().name.lower()
-        if (
-            exc.code() != grpc.StatusCode.CANCELLED
-        ):  # cancelled by this side: not the transfer's fault
+        # Cancelled by this side: not the transfer's fault.
+        if exc.code() != grpc.StatusCode.CANCELLED:
             metrics.KV_TRANSFER_FAILURES.labels(self.role, reason).inc()
         message = (
             f"{what} of {request_id!r} from {address}: {exc.code().name} {exc.details() or ''}"
@@ -171,9 +170,8 @@ class GrpcKVReceiver(KVReceiver):
 
     def _renew_loop(self) -> None:
         last = time.monotonic()
-        while not self._stop.wait(
-            RENEW_TICK_S
-        ):  # a tick, so a shorter lease learned later counts at once
+        # A tick, so that a shorter lease learned later counts at once.
+        while not self._stop.wait(RENEW_TICK_S):
             if time.monotonic() - last >= self._renew_interval():
                 last = time.monotonic()
                 self.renew_leases()
@@ -191,12 +189,8 @@ class GrpcKVReceiver(KVReceiver):
                     timeout=HANDSHAKE_TIMEOUT_S,
                 )
             except grpc.RpcError as exc:  # the pull itself reports a dead source
-                logger.debug(
-                    "renewing %d leases at %s failed: %s",
-                    len(request_ids),
-                    address,
-                    exc.code().name,
-                )
+                count, code = len(request_ids), exc.code().name
+                logger.debug("renewing %d leases at %s failed: %s", count, address, code)
 
     # -- pulls ---------------------------------------------------------------------------------
 

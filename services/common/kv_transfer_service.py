@@ -19,7 +19,6 @@ from services.common.convert import handle_from_proto, peer_info_from_proto, pee
 from services.common.kv_wire import encode_chunk
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.engine.errors import InvalidRequestError, KVHandshakeError
-from services.engine.kv_cache import KVCacheSpec
 from services.engine.kv_transfer.handshake import KVPeerInfo, mismatches
 from services.engine.kv_transfer.sender import KVSender
 
@@ -48,13 +47,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         self.on_engine = on_engine
         self.peer_info = peer_info
         self.layout = peer_info_to_proto(peer_info)[1]
-        self.block_bytes = KVCacheSpec(
-            peer_info.num_layers,
-            peer_info.num_kv_heads,
-            peer_info.head_dim,
-            peer_info.block_size,
-            peer_info.dtype,
-        ).bytes_per_block
+        self.block_bytes = peer_info.spec.bytes_per_block
         self.chunk_bytes = chunk_bytes
         self.stall_s = stall_s
 

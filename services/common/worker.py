@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.config import WorkerConfig, to_json
+from services.common.config import WorkerConfig
+from services.common.config_json import to_json
 from services.common.convert import layout_to_proto
 from services.common.engine_loop import EngineLoop
 from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc

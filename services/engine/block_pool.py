@@ -9,8 +9,8 @@ allocation needs the space and evicts it, least recently freed first.
 from __future__ import annotations
 
 import random
-from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Sequence
 
 from services.engine.block_hash import BlockHash
 from services.engine.errors import ResourceExhaustedError
@@ -196,6 +196,24 @@ class BlockPool:
         if self.events is not None:
             self.events.append(AllBlocksCleared())
         return num_hashes
+
+    def take_events(self) -> list[KVEvent]:
+        """Prefix-cache events since the last call, oldest first (empty unless recording)."""
+        if not self.events:
+            return []
+        taken, self.events = self.events, []
+        return taken
+
+    def check_holders(self, block_tables: Iterable[Sequence[int]]) -> None:
+        """Raise RuntimeError unless every block's ref count is the number of times the given
+        block tables (every request holding blocks) hold it."""
+        refs = Counter(b for table in block_tables for b in table)
+        wrong = [b for b in range(self.num_blocks) if refs[b] != self.ref_count(b)]
+        if wrong:
+            b = wrong[0]
+            raise RuntimeError(
+                f"requests hold block {b} {refs[b]} times, its ref count is {self.ref_count(b)}"
+            )
 
     def check_integrity(self) -> None:
         """Raise RuntimeError unless free + cached + used == total, ref counts match the states,

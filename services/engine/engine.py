@@ -6,7 +6,6 @@ verbs plus the KV hand-off). Services wrap this class; it never imports grpc, ra
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import random
 import time
@@ -207,7 +206,7 @@ class Engine:
     def _end_remote(self, request: Request, status: RequestStatus) -> RequestOutput:
         self.remote.end(request, status)
         self.requests.pop(request.request_id, None)
-        return self._output(request, request.output_token_ids[-1:])
+        return request.output(request.output_token_ids[-1:])
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -230,7 +229,7 @@ class Engine:
             elif self.config.role == EngineRole.PREFILL:
                 outputs.append(self._hand_off(request))
             else:
-                outputs.append(self._output(request, [request.output_token_ids[-1]]))
+                outputs.append(request.output([request.output_token_ids[-1]]))
         return outputs
 
     def _load_remote_kv(self, sched: SchedulerOutput) -> list[RequestOutput]:
@@ -244,29 +243,10 @@ class Engine:
             request.finish(RequestStatus.FINISHED_ERROR)
         return [self._finish(request) for request in failed]
 
-    def _output(
-        self, request: Request, new: list[int], handle: KVHandle | None = None
-    ) -> RequestOutput:
-        new_logprobs = (
-            tuple(request.output_logprobs[len(request.output_logprobs) - len(new) :])
-            if request.output_logprobs
-            else ()
-        )
-        return RequestOutput(
-            request.request_id,
-            new,
-            list(request.output_token_ids),
-            request.status.is_finished,
-            request.status.finish_reason,
-            handle,
-            new_logprobs,
-            request.num_cached_tokens or 0,
-        )
-
     def _finish(self, request: Request) -> RequestOutput:
         self.scheduler.remove_running(request)
         del self.requests[request.request_id]
-        return self._output(request, request.output_token_ids[-1:])
+        return request.output(request.output_token_ids[-1:])
 
     def _hand_off(self, request: Request) -> RequestOutput:
         """PREFILL role: keep the prompt's blocks pinned and publish a handle to them."""
@@ -274,7 +254,7 @@ class Engine:
         self.scheduler.remove_running(request, free=False)
         del self.requests[request.request_id]
         handle = self.export.hand_off(request)
-        return self._output(request, request.output_token_ids[-1:], handle)
+        return request.output(request.output_token_ids[-1:], handle)
 
     # -- prefix cache --------------------------------------------------------------------------
 
@@ -290,12 +270,7 @@ class Engine:
     def take_kv_events(self) -> list[KVEvent]:
         """Prefix-cache events since the last call, oldest first (empty unless
         `enable_kv_events`)."""
-        events = self.kv_cache.pool.events
-        if not events:
-            return []
-        taken = list(events)
-        events.clear()
-        return taken
+        return self.kv_cache.pool.take_events()
 
     # -- text ---------------------------------------------------------------------------------
 
@@ -320,10 +295,4 @@ class Engine:
             *self.pinned.values(),
             *self.remote.abandoned,
         ]
-        refs = collections.Counter(b for r in holders for b in r.block_table)
-        wrong = [b for b in range(pool.num_blocks) if refs[b] != pool.ref_count(b)]
-        if wrong:
-            b = wrong[0]
-            raise RuntimeError(
-                f"requests hold block {b} {refs[b]} times, its ref count is {pool.ref_count(b)}"
-            )
+        pool.check_holders(r.block_table for r in holders)

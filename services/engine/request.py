@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from services.engine.block_hash import BlockHash
 from services.engine.kv_transfer.handle import KVHandle
-from services.engine.sampler import TokenLogprobs
+from services.engine.outputs import RequestOutput, TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 
 
@@ -80,6 +80,22 @@ class Request:
     """DECODE role: monotonic time by which the prompt KV must have been loaded."""
     kv_landed: bool = False
     """DECODE role: a caller wrote the pulled prompt KV into the blocks (`Engine.kv_written`)."""
+
+    def output(self, new: list[int], handle: KVHandle | None = None) -> RequestOutput:
+        """This step's news: `new` token ids (with their logprobs when asked for), `handle`
+        for a PREFILL hand-off."""
+        logprobs = self.output_logprobs
+        new_logprobs = tuple(logprobs[len(logprobs) - len(new) :]) if logprobs else ()
+        return RequestOutput(
+            self.request_id,
+            new,
+            list(self.output_token_ids),
+            self.status.is_finished,
+            self.status.finish_reason,
+            handle,
+            new_logprobs,
+            self.num_cached_tokens or 0,
+        )
 
     @property
     def remote_handle(self) -> KVHandle:

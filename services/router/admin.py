@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from services.common.config import RouterConfig, to_json
+from services.common.config import RouterConfig
+from services.common.config_json import to_json
 from services.common.errors import ServiceUnavailableError
 from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.router.prompt import ModelInfo

@@ -25,6 +25,7 @@ import grpc
 from services.common.errors import status_for
 from services.common.pb import generate_pb2
 from services.router import openai_protocol as oai
+from services.router import openai_responses as bodies
 from services.router.cancel import CancelScope
 from services.router.generate import GenerateFlow
 
@@ -51,7 +52,7 @@ def http_error(exc: BaseException) -> tuple[int, dict]:
         logger.error("internal error serving HTTP request", exc_info=exc)
     # Every bad-input error names its field first ("temperature: must be ..."): that is `param`.
     param = re.match(r"[\w.\[\]]+(?=: )", details or "") if status == 400 else None
-    return status, oai.error_body(details or code.name, kind, status, param and param.group())
+    return status, bodies.error_body(details or code.name, kind, status, param and param.group())
 
 
 class _DisconnectWatcher:
@@ -109,17 +110,17 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, {"status": "ok"})
         elif self.path == "/v1/models":
             max_model_len = self.server.flow.model.max_model_len
-            self._send_json(200, oai.models_body(self.server.model_name, max_model_len))
+            self._send_json(200, bodies.models_body(self.server.model_name, max_model_len))
         else:
             self._send_json(
-                404, oai.error_body(f"path: no route {self.path}", "not_found_error", 404)
+                404, bodies.error_body(f"path: no route {self.path}", "not_found_error", 404)
             )
 
     def do_POST(self) -> None:
         chat = _ROUTES.get(self.path)
         if chat is None:
             self._send_json(
-                404, oai.error_body(f"path: no route {self.path}", "not_found_error", 404)
+                404, bodies.error_body(f"path: no route {self.path}", "not_found_error", 404)
             )
             return
         try:
@@ -169,10 +170,10 @@ class _Handler(BaseHTTPRequestHandler):
         text = "".join(m.text for m in messages)
         entries = [lp for m in messages for lp in m.logprobs]
         token_ids = [lp.token_id for lp in entries]
-        logprobs = oai.logprobs_body(
+        logprobs = bodies.logprobs_body(
             request, entries, self._token_text, self._text_offsets(token_ids, 0, len(text))
         )
-        body = oai.response_body(
+        body = bodies.response_body(
             request, self.server.model_name, text, last.finish_reason, last.usage, logprobs
         )
         self._send_json(200, body)
@@ -234,14 +235,16 @@ class _Handler(BaseHTTPRequestHandler):
                 offsets = (
                     self._text_offsets(token_ids, first_new, text_len) if request.logprobs else ()
                 )
-                logprobs = oai.logprobs_body(request, message.logprobs, self._token_text, offsets)
+                logprobs = bodies.logprobs_body(
+                    request, message.logprobs, self._token_text, offsets
+                )
                 self._event(
-                    oai.chunk_body(request, model, message.text, finish, is_first, logprobs)
+                    bodies.chunk_body(request, model, message.text, finish, is_first, logprobs)
                 )
                 is_first = False
             if finish:
                 if request.include_usage:
-                    self._event(oai.usage_chunk_body(request, model, message.usage))
+                    self._event(bodies.usage_chunk_body(request, model, message.usage))
                 self._event_done()
                 for _ in responses:  # let the flow end its downstream calls cleanly
                     pass

@@ -18,10 +18,8 @@ from services.common.config import (
     PrefillConfig,
     PrefixIndexConfig,
     RouterConfig,
-    from_json,
-    to_dict,
-    to_json,
 )
+from services.common.config_json import from_json, to_dict, to_json
 from services.common.pb import common_pb2, worker_pb2_grpc
 from services.engine.config import EngineConfig, EngineRole
 from tests.e2e.cluster import generate, generation_stub, start

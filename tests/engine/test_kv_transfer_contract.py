@@ -154,7 +154,8 @@ def test_a_revoked_transfer_frees_the_blocks_and_later_pulls_find_nothing(backen
 
 def test_handshake_refuses_another_layout_naming_the_field(backend):
     handle = backend.publish("r")
-    local = dataclasses.replace(backend.prefill.kv_peer_info, block_size=8)
+    info = backend.prefill.kv_peer_info
+    local = dataclasses.replace(info, spec=dataclasses.replace(info.spec, block_size=8))
     with pytest.raises(KVHandshakeError, match="block_size: 4 at the source.*8 at the destination"):
         backend.receiver.connect(handle, local)
     backend.receiver.connect(handle, backend.prefill.kv_peer_info)  # the same layout is fine

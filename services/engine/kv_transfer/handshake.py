@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-import torch
-
 from services.engine.errors import KVHandshakeError
 from services.engine.kv_transfer.handle import KV_TENSOR_LAYOUT
 
@@ -22,34 +20,36 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class KVPeerInfo:
-    """One engine's KV identity: the model whose KV it holds and the exact cache layout."""
+    """One engine's KV identity: the model whose KV it holds, and its cache layout (the one KV
+    layout type, `KVCacheSpec`: num_layers, num_kv_heads, head_dim, block_size, dtype)."""
 
     model_id: str
     """Identity of the loaded weights (`loader.model_id`)."""
-    dtype: torch.dtype
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    """Tokens per block."""
+    spec: KVCacheSpec
+    """Shape and dtype of the cache."""
     layout: str = KV_TENSOR_LAYOUT
     """Axis order of a transferred tensor."""
 
     @classmethod
     def of(cls, spec: KVCacheSpec, model_id: str) -> KVPeerInfo:
-        return cls(
-            model_id, spec.dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size
-        )
+        return cls(model_id, spec)
+
+    def fields(self) -> dict[str, object]:
+        """Every compared field by name (the spec's flattened in)."""
+        spec = {f.name: getattr(self.spec, f.name) for f in fields(self.spec)}
+        dtype = spec.pop("dtype")  # reported right after the model: the likeliest mistake
+        return {"model_id": self.model_id, "dtype": dtype, **spec, "layout": self.layout}
 
 
 def mismatches(source: KVPeerInfo, destination: KVPeerInfo) -> list[str]:
     """One line per differing field, "block_size: 16 at the source (prefill), 32 at the
     destination (decode)"; empty if the two can exchange KV."""
+    theirs = destination.fields()
     return [
-        f"{f.name}: {_show(getattr(source, f.name))} at the source (prefill), "
-        f"{_show(getattr(destination, f.name))} at the destination (decode)"
-        for f in fields(KVPeerInfo)
-        if getattr(source, f.name) != getattr(destination, f.name)
+        f"{name}: {_show(value)} at the source (prefill), "
+        f"{_show(theirs[name])} at the destination (decode)"
+        for name, value in source.fields().items()
+        if value != theirs[name]
     ]
 
 

@@ -1,0 +1,272 @@
+"""One request through the workers: Prefill, then the Decode stream, then text.
+
+Every downstream call gets `timeout=` the time left until the deadline, so nothing waits
+unbounded. Errors propagate as they are (a downstream `grpc.RpcError` keeps its code; typed
+errors are mapped by `services.common.errors.ErrorInterceptor`). Freeing work downstream:
+- a cancel (client gone, deadline) or a stop-string hit cancels the in-flight call, so the
+  decode worker frees the request's blocks;
+- if the request ends after the prefill pinned its KV but before a decode worker reported the
+  KV landed (client gone, stop string in the first token, Decode failed or was never started),
+  the router calls `KVTransfer.ReleaseKV` on the prefill worker named in the handle.
+- if the prefill worker holding the KV dies (or loses it) before the KV landed, the decode
+  worker says so (UNAVAILABLE naming that worker in `pdserve-failed-peer`) and the router
+  prefills once more on another healthy prefill worker, keeping the first token the client
+  already has; with no other worker the client gets UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from services.common.channels import release_kv
+from services.common.convert import sampling_to_proto
+from services.common.errors import PeerUnavailableError, ServiceUnavailableError, failed_peer
+from services.common.pb import common_pb2, generate_pb2, worker_pb2
+from services.engine.errors import ResourceExhaustedError
+from services.router.cancel import CancelScope, RequestCancelledError
+from services.router.prompt import PreparedRequest, prepare_request
+from services.router.responses import delta_response, drain, final_response
+from services.router.stats import RequestStats
+from services.router.text_stream import TextStream
+
+if TYPE_CHECKING:
+    from services.router.generate import GenerateFlow
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRun:
+    """One request's state while it flows through prefill and decode."""
+
+    def __init__(
+        self,
+        flow: GenerateFlow,
+        request: generate_pb2.GenerateRequest,
+        deadline: float,
+        scope: CancelScope,
+    ) -> None:
+        self.flow = flow
+        self.request = request
+        self.deadline = deadline
+        self.scope = scope
+        self.stats = RequestStats()
+        self.kv_landed = False  # a decode worker reported the prompt KV arrived
+        self.request_id = request.request_id
+        self.prefill_address = ""
+        self.handle: common_pb2.KVHandle | None = None  # the pinned prompt KV, once prefilled
+
+    def responses(self) -> Iterator[generate_pb2.GenerateResponse]:
+        prepared = self._prepare()
+        text = TextStream(self.flow.model.tokenizer, prepared.prompt_token_ids, prepared.stop)
+        prefill = self._prefill(prepared)
+        self.handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
+        try:  # from here on the prefill worker may hold pinned KV for this request
+            first = text.add([prefill.first_token_id])
+            first_logprobs = [prefill.first_logprob] if prefill.HasField("first_logprob") else []
+            finish = "stop" if first.stopped else prefill.finish_reason
+            if not finish and self.handle is None:
+                raise RuntimeError(
+                    "prefill worker returned neither a finish_reason nor a kv_handle"
+                )
+            if finish:
+                yield final_response(first, text, finish, first_logprobs, self.stats)
+                return
+            # the first token goes out now: that is TTFT
+            yield delta_response(first, first_logprobs, self.stats)
+            yield from self._decode_or_retry(prepared, text)
+        finally:
+            if self.handle is not None and not self.kv_landed:
+                self._release_kv(self.handle.request_id or self.request_id, self._kv_source())
+
+    def _kv_source(self) -> str:
+        """HOST:PORT serving the handle's KV (a worker that names no source serves it itself)."""
+        assert self.handle is not None
+        return self.handle.source or self.prefill_address
+
+    def _decode_or_retry(
+        self, prepared: PreparedRequest, text: TextStream
+    ) -> Iterator[generate_pb2.GenerateResponse]:
+        """Decode; if the KV's prefill worker failed before the KV landed, prefill again on
+        another healthy worker (once) and decode from there."""
+        assert self.handle is not None
+        try:
+            yield from self._decode(prepared, self.handle, text)
+            return
+        except grpc.RpcError as exc:
+            lost = self._kv_source()
+            if (
+                self.kv_landed
+                or exc.code() != grpc.StatusCode.UNAVAILABLE
+                or failed_peer(exc) != lost
+            ):
+                raise
+            self.flow.pool.mark_unhealthy(lost)
+            if not [
+                a for a in self.flow.pool.prefill if a != lost and a not in self.flow.pool.unhealthy
+            ]:
+                raise  # no other prefill worker: UNAVAILABLE
+            logger.warning(
+                "request %s: prefill worker %s lost its KV (%s); prefilling again elsewhere",
+                self.request_id,
+                lost,
+                exc.details(),
+            )
+        self._release_kv(
+            self.handle.request_id or self.request_id, lost
+        )  # best effort; its lease covers it
+        first_token_id = self.handle.first_token_id
+        self.handle = None
+        retried = self._prefill(prepared)
+        if not retried.HasField("kv_handle"):
+            raise ServiceUnavailableError(
+                f"request {self.request_id}: the retried prefill returned no KV"
+            )
+        self.handle = retried.kv_handle
+        self.handle.first_token_id = (
+            first_token_id  # continue from the token the client already has
+        )
+        yield from self._decode(prepared, self.handle, text)
+
+    def _remaining(self) -> float:
+        """Seconds left until the deadline; TimeoutError when none are."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline exceeded")
+        return left
+
+    def _prepare(self) -> PreparedRequest:
+        start = time.monotonic()
+        prepared = prepare_request(self.request, self.flow.model)
+        self.request_id = prepared.request_id
+        self.stats.on_tokenized(len(prepared.prompt_token_ids), time.monotonic() - start)
+        needed = len(prepared.prompt_token_ids) + prepared.params.max_tokens
+        capacity = self.flow.pool.decode_capacity()
+        if capacity is not None and needed > capacity:  # refused before any prefill work
+            raise ResourceExhaustedError(
+                f"prompt ({len(prepared.prompt_token_ids)} tokens) + "
+                f"max_tokens ({prepared.params.max_tokens}) can never fit: "
+                f"the largest decode worker's KV cache holds {capacity} tokens per request"
+            )
+        return prepared
+
+    def _prefill(self, prepared: PreparedRequest) -> worker_pb2.PrefillResponse:
+        """Runs the Prefill RPC on a picked worker; cancellable through the scope. A worker that
+        answers UNAVAILABLE (dead, or draining) is marked unhealthy and the call goes once to
+        another healthy worker, if there is one."""
+        routing, num_prompt = self.flow.routing, len(prepared.prompt_token_ids)
+        for attempt in (1, 2):
+            self.prefill_address, _ = routing.pick_prefill(
+                prepared.prompt_token_ids, prepared.cache_salt
+            )
+            try:
+                response = self._call_prefill(prepared)
+            except grpc.RpcError as exc:
+                if attempt == 2 or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                self.flow.pool.mark_unhealthy(self.prefill_address)
+                if self.flow.pool.healthy_prefill() == [self.prefill_address]:
+                    raise  # no other worker to try
+                continue
+            finally:
+                routing.prefill_done(self.prefill_address, num_prompt)
+            routing.learn_routed(
+                self.prefill_address, prepared.prompt_token_ids, prepared.cache_salt
+            )
+            return response
+        raise AssertionError("unreachable")
+
+    def _call_prefill(self, prepared: PreparedRequest) -> worker_pb2.PrefillResponse:
+        stub = self.flow.pool.prefill_stub(self.prefill_address)
+        message = worker_pb2.PrefillRequest(
+            request_id=prepared.request_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling=sampling_to_proto(prepared.params),
+            cache_salt=prepared.cache_salt,
+        )
+        self.scope.check()
+        start = time.monotonic()
+        future = self.scope.track(stub.Prefill.future(message, timeout=self._remaining()))
+        try:
+            response = future.result()
+        except grpc.FutureCancelledError:
+            # The worker may have pinned the prompt KV just as we cancelled: release it by id
+            # (a release that arrives before the pin is remembered and applied to it).
+            self._release_kv(prepared.request_id, self.prefill_address)
+            raise RequestCancelledError() from None
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._release_kv(prepared.request_id, self.prefill_address)
+            raise
+        finally:
+            self.scope.untrack(future)
+        self.stats.on_prefill(time.monotonic() - start, response.num_cached_tokens)
+        return response
+
+    def _decode(
+        self, prepared: PreparedRequest, handle: common_pb2.KVHandle, text: TextStream
+    ) -> Iterator[generate_pb2.GenerateResponse]:
+        """Streams the Decode RPC's tokens through `text` until a finish_reason or stop string."""
+        address = self.flow.routing.pick_decode()
+        try:
+            yield from self._stream_decode(prepared, handle, text, address)
+        except grpc.RpcError as exc:
+            if (
+                exc.code() == grpc.StatusCode.UNAVAILABLE and failed_peer(exc) is None
+            ):  # the decode worker itself
+                raise PeerUnavailableError(
+                    f"decode worker {address}: {exc.details()}", peer=address
+                ) from exc
+            raise
+        finally:
+            self.flow.routing.decode_done(address)
+
+    def _stream_decode(
+        self, prepared: PreparedRequest, handle: common_pb2.KVHandle, text: TextStream, address: str
+    ) -> Iterator[generate_pb2.GenerateResponse]:
+        stub = self.flow.pool.decode_stub(address)
+        message = worker_pb2.DecodeRequest(
+            request_id=prepared.request_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling=sampling_to_proto(prepared.params),
+            kv_handle=handle,
+            cache_salt=prepared.cache_salt,
+        )
+        self.scope.check()
+        call = self.scope.track(stub.Decode(message, timeout=self._remaining()))
+        self.stats.on_decode_started()
+        try:
+            for reply in call:
+                if not self.kv_landed:
+                    self.kv_landed = True
+                    self.stats.on_kv_transfer(reply.kv_transfer_seconds)
+                delta = text.add(list(reply.token_ids))
+                if delta.stopped:
+                    call.cancel()  # the decode worker frees the request's blocks now
+                    yield final_response(delta, text, "stop", reply.logprobs, self.stats)
+                    return
+                if reply.finish_reason:
+                    yield final_response(
+                        delta, text, reply.finish_reason, reply.logprobs, self.stats
+                    )
+                    drain(call)  # read the OK status rather than cancel a finished call
+                    return
+                if delta.token_ids:
+                    yield delta_response(delta, reply.logprobs, self.stats)
+            raise RuntimeError("decode worker ended its stream without a finish_reason")
+        finally:
+            self.scope.untrack(call)
+            call.cancel()  # no-op once the stream has completed; frees the worker otherwise
+
+    def _release_kv(self, request_id: str, source: str) -> None:
+        """Unpins a request's prompt KV on the prefill worker at `source` (best effort; a lapsed
+        lease frees it too). Sent without waiting: a busy worker answers between engine steps,
+        and the request's thread has nothing to wait for."""
+        try:
+            release_kv(self.flow.pool.channel(source), request_id, source)
+        except ValueError as exc:  # a malformed source address
+            logger.warning("ReleaseKV(%s) at %r not sent: %s", request_id, source, exc)
