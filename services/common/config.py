@@ -22,7 +22,7 @@ from services.engine.config import DEFAULT_MODEL, EngineConfig, EngineRole
 from services.flags import flag
 from services.placement import parse_cpu_list
 
-C = TypeVar("C")
+W = TypeVar("W", bound="WorkerConfig")
 ROUTING_POLICIES = ("kv", "least_loaded", "round_robin")
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -253,24 +253,20 @@ class ClusterConfig:
         )
 
     def prefill_config(self, index: int) -> PrefillConfig:
-        """The config of prefill worker `index` (free ports, its own engine id)."""
-        return dataclasses.replace(
-            self.prefill,
-            engine=self._engine(f"prefill-{index}"),
-            host=self.router.host,
-            port=0,
-            metrics_port=0,
-            index=self.index,
-        )
+        """The config of prefill worker `index` (free ports, its own engine id, the index)."""
+        return dataclasses.replace(self._member(self.prefill, index), index=self.index)
 
     def decode_config(self, index: int) -> DecodeConfig:
         """The config of decode worker `index` (free ports, its own engine id)."""
+        return self._member(self.decode, index)
+
+    def _member(self, worker: W, index: int) -> W:
+        """Pool member `index`: the cluster's engine under a fresh engine id, on free ports of
+        the router's host."""
+        engine_id = f"{worker.role.value}-{index}-{uuid.uuid4().hex[:12]}"
+        engine = dataclasses.replace(self.engine, engine_id=engine_id)
         return dataclasses.replace(
-            self.decode,
-            engine=self._engine(f"decode-{index}"),
-            host=self.router.host,
-            port=0,
-            metrics_port=0,
+            worker, engine=engine, host=self.router.host, port=0, metrics_port=0
         )
 
     def router_config(self, prefill: list[str], decode: list[str]) -> RouterConfig:
@@ -283,6 +279,3 @@ class ClusterConfig:
             prefill=tuple(prefill),
             decode=tuple(decode),
         )
-
-    def _engine(self, name: str) -> EngineConfig:
-        return dataclasses.replace(self.engine, engine_id=f"{name}-{uuid.uuid4().hex[:12]}")
