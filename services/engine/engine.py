@@ -15,7 +15,6 @@ from pathlib import Path
 from services.engine.admission import RequestChecker
 from services.engine.block_hash import BlockHash
 from services.engine.config import EngineConfig, EngineRole
-from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.errors import (
     InvalidRequestError,
     KVHandshakeError,
@@ -108,12 +107,7 @@ class Engine:
         or too many wait for blocks) and KVHandshakeError (the handle's source holds KV of
         another model or layout).
         """
-        if request_id is None:
-            request_id = f"req-{uuid.uuid4().hex}"  # unique cluster-wide, as KV handles need
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id", "must be a non-empty string")
-        if request_id in self.requests or request_id in self.export.pinned:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        request_id = self._new_request_id(request_id)
         prompt_ids = self.checker.prompt_ids(prompt)
         if kv_handle is not None:  # first: with another layout, its numbers mean nothing here
             try:
@@ -134,19 +128,34 @@ class Engine:
             cache_salt,
         )
         if kv_handle is not None:
-            max_model_len = self.config.max_model_len
-            assert max_model_len is not None  # resolved in __init__
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-            request.append_output_token(kv_handle.first_token_id, max_model_len)
-            if request.status.is_finished:  # the first token already ended it: nothing to decode
-                self.kv_receiver.complete(kv_handle)
-                self._finished_at_admission.append(request)
-            else:
-                self.reservations.add(request)
+            self._add_remote(request, kv_handle)
         else:
             self.scheduler.add(request)
         self.requests[request_id] = request
         return request_id
+
+    def _new_request_id(self, request_id: str | None) -> str:
+        """The caller's id, checked, or a fresh one (unique cluster-wide, as KV handles need)."""
+        if request_id is None:
+            return f"req-{uuid.uuid4().hex}"
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
+        if request_id in self.requests or request_id in self.export.pinned:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        return request_id
+
+    def _add_remote(self, request: Request, kv_handle: KVHandle) -> None:
+        """DECODE role: the prefill's first token, then blocks reserved for the prompt's KV
+        (ResourceExhaustedError when too many already wait for blocks)."""
+        max_model_len = self.config.max_model_len
+        assert max_model_len is not None  # resolved in __init__
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.append_output_token(kv_handle.first_token_id, max_model_len)
+        if request.status.is_finished:  # the first token already ended it: nothing to decode
+            self.kv_receiver.complete(kv_handle)
+            self._finished_at_admission.append(request)
+        else:
+            self.reservations.add(request)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks. Raises RequestNotFoundError for an unknown id."""
@@ -271,14 +280,6 @@ class Engine:
         """Prefix-cache events since the last call, oldest first (empty unless
         `enable_kv_events`)."""
         return self.kv_cache.pool.take_events()
-
-    # -- text ---------------------------------------------------------------------------------
-
-    def decode(self, prompt_ids: list[int], token_ids: list[int]) -> str | None:
-        if self.tokenizer is None:
-            return None
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        return detok.add_tokens(token_ids) + detok.flush()
 
     @property
     def num_pinned_blocks(self) -> int:

@@ -84,13 +84,21 @@ class LLM:
                 rid,
                 prompt_ids[rid],
                 done[rid].output_token_ids,
-                self.engine.decode(prompt_ids[rid], done[rid].output_token_ids),
+                self.text(prompt_ids[rid], done[rid].output_token_ids),
                 done[rid].finish_reason or "",
                 tuple(logprobs[rid]),
                 done[rid].num_cached_tokens,
             )
             for rid in ids
         ]
+
+    def text(self, prompt_ids: list[int], token_ids: list[int]) -> str | None:
+        """The text of generated `token_ids` after `prompt_ids` (as streamed: no space
+        clean-up); None without a tokenizer."""
+        if self.engine.tokenizer is None:
+            return None
+        detok = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids)
+        return detok.add_tokens(token_ids) + detok.flush()
 
     def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[StreamDelta]:
         """Run one prompt, yielding each step's output with the text it completes (the last

@@ -114,18 +114,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     )
     prefill.kv_address = service.grpc_address
     loop.start()
-    publisher = None
-    if config.index.redis_url:  # exact prefix index: this worker's cache events, its address
-        index = make_prefix_index(
-            config.index.redis_url,
-            engine.model_id,
-            engine.config.block_size,
-            config.index.index_ttl,
-        )
-        publisher = KVEventPublisher(
-            loop, index, service.grpc_address, heartbeat_s=config.index.index_ttl / 3
-        )
-        publisher.start()
+    publisher = _start_publisher(config, loop, service.grpc_address)
 
     def close() -> None:
         if publisher is not None:
@@ -137,6 +126,21 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
         return loop.call(lambda: not engine.has_unfinished_requests() and not engine.pinned)
 
     return RunningWorker(service, loop, prefill.draining, drained, close)
+
+
+def _start_publisher(
+    config: PrefillConfig, loop: EngineLoop, address: str
+) -> KVEventPublisher | None:
+    """With a Redis index: publish this worker's prefix-cache events under its address."""
+    if not config.index.redis_url:
+        return None
+    engine = loop.engine
+    index = make_prefix_index(
+        config.index.redis_url, engine.model_id, engine.config.block_size, config.index.index_ttl
+    )
+    publisher = KVEventPublisher(loop, index, address, heartbeat_s=config.index.index_ttl / 3)
+    publisher.start()
+    return publisher
 
 
 def serve(config: PrefillConfig) -> None:
