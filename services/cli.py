@@ -22,7 +22,7 @@ from services.common.config import (
 )
 from services.common.config_json import from_json
 from services.engine.config import EngineConfig
-from services.flags import add_config_flags, config_from_args
+from services.flags import add_config_flags, config_from_args, flag_message
 
 # Kept free of torch/transformers/grpc imports so `pdserve --help` answers at once: every command
 # imports what it needs inside its own function. Every service flag is generated from a field of
@@ -76,15 +76,19 @@ def _parser() -> argparse.ArgumentParser:
             "--config-json",
             default=None,
             metavar="JSON",
-            help=f"the whole {config_cls.__name__} as JSON (as `pdserve serve` passes it to its "
-            "children); replaces every other config flag",
+            help=f"The whole {config_cls.__name__} as JSON, as `pdserve serve` passes it to its "
+            "children; replaces every other config flag (fields left out keep their defaults).",
         )
     _add_generate(add("generate", help="send one request to a router and stream the answer"))
     reset = add(
         "reset-prefix-cache", help="forget every cached prefix (a router: on all its workers)"
     )
-    reset.add_argument("--url", default="127.0.0.1:50051", help="router or worker HOST:PORT")
-    reset.add_argument("--timeout", type=float, default=30.0, help="deadline in seconds")
+    reset.add_argument(
+        "--url", default="127.0.0.1:50051", help="router or worker HOST:PORT (default: %(default)s)"
+    )
+    reset.add_argument(
+        "--timeout", type=float, default=30.0, help="deadline in seconds (default: %(default)s)"
+    )
     return parser
 
 
@@ -96,12 +100,19 @@ def _add_prompt_source(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=64, help="(default: 64)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0)")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: smallest token set with this probability mass (default: 1.0)",
+    )
     parser.add_argument("--top-k", type=int, default=-1, help="-1 disables (default: -1)")
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
     parser.add_argument(
         "--logprobs",
         type=int,
@@ -127,7 +138,9 @@ def service_config(args: argparse.Namespace) -> object:
 
 
 def _add_generate(generate: argparse.ArgumentParser) -> None:
-    generate.add_argument("--url", default="127.0.0.1:50051", help="router HOST:PORT")
+    generate.add_argument(
+        "--url", default="127.0.0.1:50051", help="router HOST:PORT (default: %(default)s)"
+    )
     _add_prompt_source(generate)
     _add_sampling(generate)
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -200,9 +213,12 @@ def parse_ids(text: str) -> list[int]:
 
 def _serve(args: argparse.Namespace) -> int:
     from services import launcher
+    from services.engine.loader import model_limits, resolve_model
 
     config = service_config(args)
     assert isinstance(config, ClusterConfig)
+    # What every child would refuse, refused before any starts (no torch here: config.json).
+    model_limits(resolve_model(config.engine.model), config.engine.max_model_len)
     return launcher.Supervisor(launcher.cluster_spec(config)).run()
 
 
@@ -257,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if not isinstance(exc, _user_error_types()):
             raise
-        print(f"pdserve: error: {exc}", file=sys.stderr)
+        print(f"pdserve: error: {flag_message(args, str(exc))}", file=sys.stderr)
         return 2
 
 

@@ -56,6 +56,8 @@ class GenerateResult:
 def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
     """GenerateRequest from the `generate` flags; ValueError naming a bad flag."""
     check_address(args.url, "--url")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
     if args.seed is not None and not 0 <= args.seed < 1 << 64:
         raise ValueError(f"--seed: must be in [0, 2**64), got {args.seed}")
     sampling = common_pb2.SamplingParams(

@@ -132,50 +132,49 @@ def _add(parser, cls, default, prefix, path, exclude, flags) -> None:  # noqa: A
         hint, optional = _unwrap_optional(hints[f.name])
         if dataclasses.is_dataclass(hint):
             nested_exclude = exclude | {".".join((*here, name)) for name in meta["exclude"]}
-            _add(parser, hint, value, prefix + meta["prefix"], here, nested_exclude, flags)
+            target = parser
+            if not path and isinstance(parser, argparse.ArgumentParser):  # a section in --help
+                target = parser.add_argument_group(f.name, docs.get(f.name))
+            _add(target, hint, value, prefix + meta["prefix"], here, nested_exclude, flags)
             continue
         name = prefix + (meta["name"] or f.name.replace("_", "-"))
-        dest = "cfg__" + "__".join(here)
+        flag_ = _Flag(here, "cfg__" + "__".join(here), name, typing.get_origin(hint) is tuple)
         generated = f.default_factory is not dataclasses.MISSING
-        doc = docs.get(f.name, "")
-        shown = (
-            argparse.SUPPRESS if meta["hidden"] else _help(doc, "generated" if generated else value)
-        )
+        shown = _help(docs.get(f.name, ""), "generated" if generated else value)
+        kwargs: dict[str, Any] = {"dest": flag_.dest, "default": value}
+        kwargs["help"] = argparse.SUPPRESS if meta["hidden"] else shown
         if hint is bool:
-            parser.add_argument(
-                f"--{name}",
-                dest=dest,
-                action=argparse.BooleanOptionalAction,
-                default=value,
-                help=shown,
-            )
-        elif typing.get_origin(hint) is tuple:
-            parser.add_argument(
-                f"--{name}", dest=dest, action="append", default=None, metavar="VALUE", help=shown
-            )
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif flag_.is_list:
+            kwargs.update(action="append", default=None, metavar="HOST:PORT")
         else:
-            parser.add_argument(
-                f"--{name}",
-                dest=dest,
-                type=_parse(hint, optional),
-                default=value,
-                choices=meta["choices"],
-                help=shown,
-                metavar=None if meta["choices"] else name.split("-")[-1].upper(),
-            )
-        if meta["no_flag"]:
+            kwargs.update(type=_parse(hint, optional), choices=meta["choices"])
+            kwargs["metavar"] = None if meta["choices"] else _metavar(name, hint)
+        parser.add_argument(f"--{name}", **kwargs)
+        if meta["no_flag"] and value is not None:
             parser.add_argument(
                 f"--{meta['no_flag']}",
-                dest=dest,
+                dest=flag_.dest,
                 action="store_const",
                 const=None,
-                help=f"unset --{name}",
+                help=f"turn --{name} off",
             )
-        flags.append(_Flag(here, dest, name, typing.get_origin(hint) is tuple))
+        flags.append(flag_)
+
+
+def _metavar(name: str, hint: Any) -> str:
+    """How --help shows a flag's value: PORT, N, SECONDS (every float field is one)."""
+    if name.endswith("port"):
+        return "PORT"
+    return {int: "N", float: "SECONDS"}.get(hint, name.split("-")[-1].upper())
 
 
 def _help(doc: str, default: Any) -> str:
-    return f"{doc} (default: {default})".lstrip().replace("%", "%%")
+    """The docstring, with the default unless the docstring already says it."""
+    if "default" in doc.lower():
+        return doc.replace("%", "%%")
+    shown = "none" if default in ((), None) else default
+    return f"{doc} (default: {shown})".lstrip().replace("%", "%%")
 
 
 def _parse(hint: Any, optional: bool) -> Any:
@@ -235,3 +234,11 @@ def _rebuild(
         if sep and name is not None:
             raise ValueError(f"--{name}: {rest}") from None
         raise
+
+
+def flag_message(args: argparse.Namespace, message: str) -> str:
+    """An error message "field: ..." from a config or a service, with the field replaced by
+    the flag that sets it when exactly one flag of this command does ("--port: ...")."""
+    field_name, sep, rest = message.partition(": ")
+    flags = [f for f in getattr(args, "_config_flags", []) if f.path[-1] == field_name]
+    return f"--{flags[0].name}: {rest}" if sep and len(flags) == 1 else message

@@ -703,3 +703,73 @@ def test_serve_stops_the_cluster_when_a_child_dies_while_serving(fake_service, c
     assert routed == [([ready["services"][1]["grpc"]], [ready["services"][2]["grpc"]])]
     assert "decode-0 (pid " in captured.err and "exited with code 4" in captured.err
     assert all(child.proc.returncode is not None for child in supervisor.children)
+
+
+# --- errors a user meets first: one line naming the flag or the JSON field -----------------
+
+
+@pytest.mark.parametrize(
+    "config_json, message",
+    [
+        ('{"engine": {"device": 5}}', "engine.device: expected str, got 5"),
+        ('{"prefill": {"cpus": 7}}', "prefill.cpus: expected str, got 7"),
+        ('{"decode": {"threads": "2"}}', "decode.threads: expected int, got '2'"),
+        ('{"engine": {"role": "bogus"}}', "engine.role: expected one of"),
+        ('{"decode": {"threads": 0}}', "decode.threads: must be >= 1"),
+        ('{"prefill": {"port": 5}}', "prefill.port: set by the cluster"),
+        ('{"prefill": {"engine": {"block_size": 32}}}', "prefill.engine: set by the cluster"),
+        ('{"router": {"prefill": ["h:1"]}}', "router.prefill: set by the cluster"),
+        ('{"router": {"bogus": 1}}', "router.bogus: not a field of RouterConfig"),
+    ],
+)
+def test_bad_config_json_is_one_line_naming_the_field(capsys, config_json, message):
+    assert cli.main(["serve", "--config-json", config_json]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdserve: error: {message}") and err.count("\n") == 1, err
+
+
+def test_config_json_given_in_part_keeps_the_commands_defaults():
+    c = config("serve", "--config-json", '{"router": {"port": 0}, "engine": {"block_size": 8}}')
+    assert (c.router.port, c.router.http_port, c.engine.block_size) == (0, 8000, 8)
+    assert c.engine.max_num_seqs == 256
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device", "cudafoo"], "--device: expected 'cpu' or 'cuda[:N]'"),
+        (["--redis-url", "http://127.0.0.1:1"], "--redis-url: must be a redis:// URL"),
+        (["--host", ""], "--host: must be a host name or address"),
+        (["--max-model-len", "100000"], "--max-model-len: 100000 exceeds the model's"),
+    ],
+)
+def test_serve_refuses_values_its_children_would_refuse_before_starting(capsys, argv, message):
+    started = time.monotonic()
+    assert cli.main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdserve: error: {message}") and err.count("\n") == 1, err
+    assert time.monotonic() - started < 30  # nothing was started
+
+
+def test_serve_refuses_a_folder_that_is_no_model(capsys, tmp_path):
+    assert cli.main(["serve", "--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("pdserve: error: --model: ")
+
+
+def test_a_port_in_use_is_one_line_naming_the_flag(capsys, tiny_llama):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flag in ("--port", "--metrics-port", "--http-port"):
+            argv = ["router", "--model", tiny_llama, "--port", "0", "--http-port", "0", flag]
+            assert cli.main([*argv, str(port)]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"pdserve: error: {flag}: cannot bind 127.0.0.1:{port}"), err
+
+
+def test_generate_refuses_a_timeout_that_is_not_positive(capsys):
+    assert cli.main(["generate", "--url", "127.0.0.1:1", "--prompt", "x", "--timeout", "0"]) == 2
+    assert capsys.readouterr().err.startswith("pdserve: error: --timeout: must be > 0")

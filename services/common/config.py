@@ -54,7 +54,9 @@ class PrefixIndexConfig:
 
     def __post_init__(self) -> None:
         _check(
-            self.redis_url is None or isinstance(self.redis_url, str) and bool(self.redis_url),
+            self.redis_url is None
+            or isinstance(self.redis_url, str)
+            and self.redis_url.startswith(("redis://", "rediss://", "unix://")),
             "redis_url",
             "must be a redis:// URL or None",
             self.redis_url,
@@ -101,6 +103,12 @@ class RouterConfig:
             "must not be empty",
             self.model,
         )
+        _check(
+            isinstance(self.host, str) and bool(self.host),
+            "host",
+            "must be a host name or address",
+            self.host,
+        )
         for name in ("port", "metrics_port"):
             _check_port(name, getattr(self, name))
         if self.http_port is not None:
@@ -136,7 +144,8 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig, metadata=flag(exclude=("role",)))
     """The engine (its role is the worker's)."""
     host: str = "127.0.0.1"
-    """Address this worker binds and advertises (decode workers pull KV from it)."""
+    """Address this worker binds (a prefill worker also advertises it: decode workers pull KV
+    from it)."""
     port: int = 0
     """gRPC port (0 picks a free one)."""
     metrics_port: int = 0
@@ -153,6 +162,12 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         _check(
             isinstance(self.engine, EngineConfig), "engine", "must be an EngineConfig", self.engine
+        )
+        _check(
+            isinstance(self.host, str) and bool(self.host),
+            "host",
+            "must be a host name or address",
+            self.host,
         )
         for name in ("port", "metrics_port"):
             _check_port(name, getattr(self, name))
@@ -226,11 +241,13 @@ class ClusterConfig:
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
     """The prefix index, for the router and every prefill worker."""
     prefill: PrefillConfig = field(
-        default_factory=PrefillConfig, metadata=flag(prefix="prefill-", exclude=(*_POOL, "index"))
+        default_factory=PrefillConfig,
+        metadata=flag(prefix="prefill-", exclude=(*_POOL, "index", "drain_timeout")),
     )
     """Settings of each prefill worker (flags --prefill-*)."""
     decode: DecodeConfig = field(
-        default_factory=DecodeConfig, metadata=flag(prefix="decode-", exclude=_POOL)
+        default_factory=DecodeConfig,
+        metadata=flag(prefix="decode-", exclude=(*_POOL, "drain_timeout")),
     )
     """Settings of each decode worker (flags --decode-*)."""
     num_prefill: int = 1
@@ -251,6 +268,27 @@ class ClusterConfig:
             "must be > 0 seconds",
             self.start_timeout,
         )
+        self._check_derived()
+
+    def _check_derived(self) -> None:
+        """The fields the cluster sets for each child must be left alone: a value given there
+        would be silently replaced (raises ValueError naming it and where to set it)."""
+        anonymous = dataclasses.replace(EngineConfig(), engine_id="-")
+        for pool in ("prefill", "decode"):
+            worker = getattr(self, pool)
+            if dataclasses.replace(worker.engine, engine_id="-") != anonymous:
+                raise ValueError(f"{pool}.engine: set by the cluster; set `engine` instead")
+            for name in ("host", "port", "metrics_port"):
+                if getattr(worker, name) != getattr(WorkerConfig, name):
+                    raise ValueError(f"{pool}.{name}: set by the cluster (router.host, free ports)")
+        if self.prefill.index != PrefixIndexConfig():
+            raise ValueError("prefill.index: set by the cluster; set `index` instead")
+        defaults = RouterConfig()
+        for name in ("model", "max_model_len", "prefill", "decode", "index"):
+            if getattr(self.router, name) != getattr(defaults, name):
+                raise ValueError(
+                    f"router.{name}: set by the cluster (from engine, index and the workers)"
+                )
 
     def prefill_config(self, index: int) -> PrefillConfig:
         """The config of prefill worker `index` (free ports, its own engine id, the index)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import types
 import typing
 from typing import Any, TypeVar
 
@@ -32,26 +33,53 @@ def to_json(config: Any) -> str:
     return json.dumps(to_dict(config), sort_keys=True)
 
 
-def from_dict(cls: type[C], data: dict[str, Any]) -> C:
-    """Rebuild a config of type `cls` from `to_dict` output; ValueError names an unknown or
-    bad field (fields left out keep their defaults)."""
+def from_dict(cls: type[C], data: Any, base: C | None = None, path: str = "") -> C:
+    """Rebuild a config of type `cls` from `to_dict` output: the fields given replace those of
+    `base` (default: `cls()`), so a nested object given in part keeps its parent's defaults
+    (`{"router": {"port": 0}}` keeps `pdserve serve`'s HTTP port). Every value is checked
+    against its field's type first. Raises ValueError naming the field by its dotted path
+    ("decode.threads: ...") for an unknown field, a wrong type or a bad value."""
     if not isinstance(data, dict):
-        raise ValueError(f"{cls.__name__}: expected a JSON object, got {data!r}")
+        raise ValueError(
+            f"{path.rstrip('.') or cls.__name__}: expected a JSON object, got {data!r}"
+        )
+    base = cls() if base is None else base
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     if unknown := sorted(set(data) - known):
-        raise ValueError(f"{unknown[0]}: not a field of {cls.__name__}")
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            value = from_dict(hint, value)  # type: ignore[arg-type]
-        elif isinstance(hint, type) and issubclass(hint, enum.Enum):
-            value = hint(value)
-        elif typing.get_origin(hint) is tuple and isinstance(value, list):
-            value = tuple(value)
-        kwargs[name] = value
-    return cls(**kwargs)
+        raise ValueError(f"{path}{unknown[0]}: not a field of {cls.__name__}")
+    changes = {
+        name: _value(hints[name], value, getattr(base, name), f"{path}{name}")
+        for name, value in data.items()
+    }
+    try:
+        return dataclasses.replace(base, **changes)  # type: ignore[type-var]
+    except ValueError as exc:  # the config's own check: "field: ..." without the path
+        raise ValueError(f"{path}{exc}") from None
+
+
+def _value(hint: Any, value: Any, base: Any, path: str) -> Any:
+    """`value` as the field's type (ValueError naming `path` when it is not one)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        if value is None:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, base if dataclasses.is_dataclass(base) else None, path + ".")  # type: ignore[arg-type]
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        choices = [m.value for m in hint]
+        if value not in choices:
+            raise ValueError(f"{path}: expected one of {choices}, got {value!r}")
+        return hint(value)
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{path}: expected a list of strings, got {value!r}")
+        return tuple(value)
+    expected = {str: (str,), bool: (bool,), int: (int,), float: (int, float)}[hint]
+    if not isinstance(value, expected) or (hint is not bool and isinstance(value, bool)):
+        raise ValueError(f"{path}: expected {hint.__name__}, got {value!r}")
+    return value
 
 
 def from_json(cls: type[C], text: str) -> C:

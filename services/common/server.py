@@ -61,7 +61,7 @@ def start_service(
 
     `max_workers` bounds concurrent RPCs (a streaming call holds a thread for its whole life).
 
-    Raises RuntimeError when the port cannot be bound.
+    Raises OSError naming `port` or `metrics_port` when one cannot be bound.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{role}-rpc"),
@@ -82,9 +82,13 @@ def start_service(
     except RuntimeError:
         bound = 0
     if bound == 0:
-        raise RuntimeError(f"port: cannot bind {host}:{port} (in use, or not a local address)")
+        raise OSError(f"port: cannot bind {host}:{port} (in use, or not a local address)")
+    try:
+        metrics_bound = start_metrics_server(host, metrics_port)
+    except OSError as exc:
+        server.stop(0)
+        raise OSError(f"metrics_port: cannot bind {host}:{metrics_port} ({exc.strerror})") from None
     server.start()
-    metrics_bound = start_metrics_server(host, metrics_port)
     return RunningService(
         role, server, f"{host}:{bound}", f"http://{host}:{metrics_bound}/metrics", health_servicer
     )

@@ -3,10 +3,12 @@ outputs, and cache salts from the wire."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -16,13 +18,25 @@ from services.common.convert import layout_to_proto
 from services.common.engine_loop import EngineLoop
 from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.server import RunningService, wait_for_termination
+from services.engine.config import EngineConfig
 from services.engine.outputs import RequestOutput
+
+W = TypeVar("W", bound=WorkerConfig)
 
 _POLL_SECONDS = 0.05
 
 
+def effective_config(config: W, engine: EngineConfig, service: RunningService) -> W:
+    """What a started worker runs with: its engine's resolved config (role, max_model_len,
+    events) and the ports it bound."""
+    grpc_port = int(service.grpc_address.rpartition(":")[2])
+    metrics_port = int(service.metrics_url.rpartition(":")[2].split("/")[0])
+    return dataclasses.replace(config, engine=engine, port=grpc_port, metrics_port=metrics_port)
+
+
 def worker_info(loop: EngineLoop, config: WorkerConfig) -> common_pb2.WorkerInfo:
-    """A snapshot of the worker's engine, taken on the engine thread."""
+    """A snapshot of the worker's engine, taken on the engine thread; `config`: the effective
+    one (`effective_config`)."""
 
     def snapshot() -> common_pb2.WorkerInfo:
         engine = loop.engine

@@ -29,6 +29,7 @@ from services.common.worker import (
     AdminServicer,
     RunningWorker,
     cache_salt,
+    effective_config,
     next_output,
     worker_info,
 )
@@ -147,7 +148,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 def start_decode(config: DecodeConfig) -> RunningWorker:
     """Start the decode worker `config` describes and return once it accepts requests (what
     `serve`, the tests and the Ray deployment call). Raises ValueError naming a bad field,
-    RuntimeError when a port cannot be bound."""
+    OSError naming the port that cannot be bound."""
     engine_config = config.engine_config()
     transfer = GrpcKVReceiver(
         engine_config.engine_id,
@@ -157,13 +158,14 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
     engine = Engine(engine_config, kv_receiver=transfer)
     loop = EngineLoop(engine, "decode")
     decode = DecodeServicer(loop, transfer, config)
+    admin = AdminServicer(loop, config)
     service = start_service(
         "decode",
         [
             (worker_pb2_grpc.add_DecodeServicer_to_server, decode, "pdserve.v1.Decode"),
             (
                 worker_pb2_grpc.add_AdminServicer_to_server,
-                AdminServicer(loop, config),
+                admin,
                 "pdserve.v1.Admin",
             ),
         ],
@@ -172,6 +174,7 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
         config.metrics_port,
         max_workers=engine_config.max_num_seqs + 64,  # each running request holds one stream
     )
+    decode.config = admin.config = effective_config(config, engine.config, service)
     loop.start()
 
     def close() -> None:

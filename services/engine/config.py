@@ -7,6 +7,7 @@ fields, `services/flags.py`); `torch_dtype` imports torch when an engine asks fo
 from __future__ import annotations
 
 import enum
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_paged")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_KV_LEASE_S = 30.0
@@ -49,23 +51,24 @@ class EngineConfig:
     role: EngineRole = field(default=EngineRole.BOTH, metadata=flag(cli=False))
     """BOTH, PREFILL or DECODE."""
     device: str = "cpu"
-    """torch device string: "cpu" or "cuda[:N]"."""
+    """torch device: "cpu" or "cuda[:N]" (CUDA is checked when the engine starts)."""
     dtype: str | None = field(default=None, metadata=flag(choices=DTYPES))
-    """float32 | bfloat16 | float16; None picks `default_dtype(device)`."""
+    """Weights and KV cache dtype (default: float32 on the CPU, bfloat16 on CUDA)."""
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_memory_bytes: int = field(default=1 << 30, metadata=flag(name="kv-cache-bytes"))
     """Memory budget for K and V of all layers, in bytes; sets the number of blocks."""
     num_blocks: int | None = None
-    """Exact number of KV blocks; overrides `kv_cache_memory_bytes` when set."""
+    """Exact number of KV blocks; when set, the byte budget above is ignored."""
     max_model_len: int | None = None
-    """Longest prompt + output in tokens; None takes the model's max_position_embeddings."""
+    """Longest prompt + output in tokens (default: the model's max_position_embeddings)."""
     max_num_seqs: int = 256
     """Most requests running in one step."""
     max_num_batched_tokens: int = 8192
     """Most tokens (prompt + decode) computed in one step; a longer prompt is chunked."""
     seed: int | None = None
-    """Seeds block-list shuffling and the seeds drawn for requests without one; None: random."""
+    """Seed of the engine's own draws: the sampling seed of a request that brings none
+    (default: random)."""
     shuffle_free_blocks: bool = field(default=False, metadata=flag(cli=False))
     """Hand out blocks in random order (tests use it to catch reads outside a block table)."""
     enable_prefix_caching: bool = True
@@ -80,19 +83,21 @@ class EngineConfig:
     pull) before it fails; the destination of a stalled transfer gives up after this long."""
     max_num_waiting_for_kv: int = 64
     """DECODE role: most requests queued for KV blocks when the cache is full; one more is
-    refused with ResourceExhaustedError (RESOURCE_EXHAUSTED) instead of waiting unbounded."""
+    refused at once (RESOURCE_EXHAUSTED) instead of waiting unbounded."""
     kv_lease_seconds: float = DEFAULT_KV_LEASE_S
     """PREFILL role: seconds a finished request's prompt KV stays pinned without a renewal from
     its decode worker; then its blocks are freed."""
     engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:12]}")
-    """Name of this engine in KV handles; unique within a cluster (random by default)."""
+    """Name of this engine in KV handles; unique within a cluster (default: generated)."""
 
     def __post_init__(self) -> None:
-        if not self.model:
-            raise ValueError("model: must be a folder path or a known model name")
+        if not self.model or not isinstance(self.model, str):
+            raise ValueError(
+                f"model: must be a folder path or a known model name, got {self.model!r}"
+            )
         if not isinstance(self.role, EngineRole):
             raise ValueError(f"role: expected EngineRole, got {self.role!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {list(DTYPES)}, got {self.dtype!r}")

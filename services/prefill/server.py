@@ -26,6 +26,7 @@ from services.common.worker import (
     AdminServicer,
     RunningWorker,
     cache_salt,
+    effective_config,
     next_output,
     worker_info,
 )
@@ -82,7 +83,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 def start_prefill(config: PrefillConfig) -> RunningWorker:
     """Start the prefill worker `config` describes and return once it accepts requests (what
     `serve`, the tests and the Ray deployment call). Raises ValueError naming a bad field,
-    RuntimeError when a port cannot be bound."""
+    OSError naming the port that cannot be bound."""
     sender = KVSender(config.engine.kv_lease_seconds)
     engine = Engine(config.engine_config(), kv_sender=sender)
     loop = EngineLoop(engine, "prefill")
@@ -94,6 +95,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
 
     loop.add_idle_hook(expire_leases)
     prefill = PrefillServicer(loop, config)
+    admin = AdminServicer(loop, config)
     kv = KVTransferServicer(
         sender, loop.call, engine.kv_peer_info, stall_s=config.debug_kv_stall_seconds
     )
@@ -104,7 +106,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
             (add_kv_transfer_servicer, kv, "pdserve.v1.KVTransfer"),
             (
                 worker_pb2_grpc.add_AdminServicer_to_server,
-                AdminServicer(loop, config),
+                admin,
                 "pdserve.v1.Admin",
             ),
         ],
@@ -113,6 +115,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
         config.metrics_port,
     )
     prefill.kv_address = service.grpc_address
+    prefill.config = admin.config = effective_config(config, engine.config, service)
     loop.start()
     publisher = _start_publisher(config, loop, service.grpc_address)
 

@@ -30,6 +30,10 @@ class RouterAdminServicer(worker_pb2_grpc.AdminServicer):
             config_json=to_json(config),
         )
 
+    def set_config(self, config: RouterConfig) -> None:
+        """The effective config (bound ports), reported by GetInfo."""
+        self.info.config_json = to_json(config)
+
     def GetInfo(self, request, context):  # noqa: N802 - gRPC method name
         return self.info
 

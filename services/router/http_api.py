@@ -271,8 +271,12 @@ class HttpApi:
     """The running HTTP server (serving on a daemon thread until `close()`)."""
 
     def __init__(self, flow: GenerateFlow, host: str, port: int, model_name: str) -> None:
-        """Binds host:port (0 picks a free port); raises OSError when it cannot."""
-        self._server = _Server((host, port), _Handler)
+        """Binds host:port (0 picks a free port); raises OSError naming `http_port` when it
+        cannot."""
+        try:
+            self._server = _Server((host, port), _Handler)
+        except OSError as exc:
+            raise OSError(f"http_port: cannot bind {host}:{port} ({exc.strerror})") from None
         self._server.flow = flow
         self._server.model_name = model_name
         self.host = host

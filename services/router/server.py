@@ -7,6 +7,7 @@ or blocking (tests, the Ray deployment).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -82,23 +83,27 @@ def start_router(config: RouterConfig) -> RunningRouter:
     """Starts the router `config` describes and returns once it accepts requests (what `serve`,
     the tests and the Ray deployment call).
 
-    Raises ValueError for a bad field, RuntimeError / OSError when a port cannot be bound.
+    Raises ValueError for a bad field, OSError naming the port that cannot be bound.
     """
     flow = build_flow(config)
-    flow.pool.start_health_checks()
     servicer = GenerationServicer(flow)
     admin = RouterAdminServicer(flow.pool, config, flow.model)
-    service = start_service(
-        "router",
-        [
-            (generate_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME),
-            (worker_pb2_grpc.add_AdminServicer_to_server, admin, "pdserve.v1.Admin"),
-        ],
-        config.host,
-        config.port,
-        config.metrics_port,
-        max_workers=ROUTER_MAX_STREAMS,
-    )
+    try:
+        service = start_service(
+            "router",
+            [
+                (generate_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE_NAME),
+                (worker_pb2_grpc.add_AdminServicer_to_server, admin, "pdserve.v1.Admin"),
+            ],
+            config.host,
+            config.port,
+            config.metrics_port,
+            max_workers=ROUTER_MAX_STREAMS,
+        )
+    except OSError:
+        flow.pool.close()
+        raise
+    flow.pool.start_health_checks()
     http = None
     if config.http_port is not None:
         try:
@@ -106,7 +111,23 @@ def start_router(config: RouterConfig) -> RunningRouter:
         except OSError:
             service.server.stop(0)
             raise
+    admin.set_config(effective_router_config(config, service, http, flow.model.max_model_len))
     return RunningRouter(service, flow, http)
+
+
+def effective_router_config(
+    config: RouterConfig, service: RunningService, http: HttpApi | None, max_model_len: int
+) -> RouterConfig:
+    """What a started router runs with: the ports it bound and the resolved max_model_len."""
+    port = int(service.grpc_address.rpartition(":")[2])
+    metrics_port = int(service.metrics_url.rpartition(":")[2].split("/")[0])
+    return dataclasses.replace(
+        config,
+        port=port,
+        metrics_port=metrics_port,
+        http_port=http.port if http else None,
+        max_model_len=max_model_len,
+    )
 
 
 def serve(config: RouterConfig) -> None:

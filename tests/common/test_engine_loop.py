@@ -50,7 +50,7 @@ def test_a_taken_port_is_refused():
     first = start_service("router", [], "127.0.0.1", 0, 0)
     try:
         port = int(first.grpc_address.rsplit(":", 1)[1])
-        with pytest.raises(RuntimeError, match="^port: cannot bind"):
+        with pytest.raises(OSError, match="^port: cannot bind"):
             start_service("router", [], "127.0.0.1", port, 0)
     finally:
         first.server.stop(0)

@@ -51,6 +51,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _port(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
 def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
     engine = EngineConfig(
         model=model,
@@ -132,16 +136,26 @@ def test_every_child_reports_the_config_its_parent_gave_it(tiny_llama, redis_ser
             role: [s["grpc"] for s in services if s["role"] == role]
             for role in ("prefill", "decode")
         }
-        assert router == cluster.router_config(addresses["prefill"], addresses["decode"])
+        given = cluster.router_config(addresses["prefill"], addresses["decode"])
+        # effective: what it was given, with the HTTP port it bound (0 asked for a free one)
+        http_port = int(ready["http"].rpartition(":")[2])
+        assert router == dataclasses.replace(given, http_port=http_port)
         assert ready["router"] == f"localhost:{cluster.router.port}"
         engine_ids = set()
         for service in services[1:]:
             info = infos[service["grpc"]]
             config_cls = PrefillConfig if service["role"] == "prefill" else DecodeConfig
             got = from_json(config_cls, info.config_json)
-            expected = getattr(cluster, f"{service['role']}_config")(0)
+            given = getattr(cluster, f"{service['role']}_config")(0)
+            given = dataclasses.replace(
+                given, engine=dataclasses.replace(given.engine, engine_id=info.engine_id)
+            )
+            # effective: the engine in the worker's role, and the ports it bound (0: free ones)
             expected = dataclasses.replace(
-                expected, engine=dataclasses.replace(expected.engine, engine_id=info.engine_id)
+                given,
+                engine=given.engine_config(),
+                port=_port(service["grpc"]),
+                metrics_port=_port(service["metrics"].removesuffix("/metrics")),
             )
             assert to_dict(got) == to_dict(expected)
             assert info.role == service["role"] and info.engine_id.startswith(service["role"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 
@@ -27,7 +29,15 @@ def test_prefill_pins_the_prompt_kv_and_reports_its_config(prefill):
     worker, config = prefill
     with grpc.insecure_channel(worker.service.grpc_address) as channel:
         info = worker_pb2_grpc.AdminStub(channel).GetInfo(common_pb2.InfoRequest(), timeout=10)
-        assert info.role == "prefill" and from_json(PrefillConfig, info.config_json) == config
+        effective = from_json(PrefillConfig, info.config_json)
+        assert info.role == "prefill" and effective.engine.role.value == "prefill"
+        assert f"127.0.0.1:{effective.port}" == worker.service.grpc_address
+        assert effective.metrics_port != 0
+        # the engine as it runs: the worker's role, max_model_len resolved from the model
+        assert effective.engine == dataclasses.replace(config.engine_config(), max_model_len=1024)
+        assert (
+            dataclasses.replace(effective, engine=config.engine, port=0, metrics_port=0) == config
+        )
         reply = worker_pb2_grpc.PrefillStub(channel).Prefill(
             worker_pb2.PrefillRequest(
                 request_id="r",
