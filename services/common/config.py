@@ -38,6 +38,13 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _check_listen(host: object, port: object, metrics_port: object) -> None:
+    """Where a service listens: a host, a gRPC port and a /metrics port."""
+    _check(isinstance(host, str) and bool(host), "host", "must be a host name or address", host)
+    _check_port("port", port)
+    _check_port("metrics_port", metrics_port)
+
+
 def _check_port(name: str, value: object) -> None:
     ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 65536
     _check(ok, name, "must be a port number in [0, 65536) (0 picks a free one)", value)
@@ -103,14 +110,7 @@ class RouterConfig:
             "must not be empty",
             self.model,
         )
-        _check(
-            isinstance(self.host, str) and bool(self.host),
-            "host",
-            "must be a host name or address",
-            self.host,
-        )
-        for name in ("port", "metrics_port"):
-            _check_port(name, getattr(self, name))
+        _check_listen(self.host, self.port, self.metrics_port)
         if self.http_port is not None:
             _check_port("http_port", self.http_port)
         for name in ("prefill", "decode"):
@@ -163,14 +163,7 @@ class WorkerConfig:
         _check(
             isinstance(self.engine, EngineConfig), "engine", "must be an EngineConfig", self.engine
         )
-        _check(
-            isinstance(self.host, str) and bool(self.host),
-            "host",
-            "must be a host name or address",
-            self.host,
-        )
-        for name in ("port", "metrics_port"):
-            _check_port(name, getattr(self, name))
+        _check_listen(self.host, self.port, self.metrics_port)
         if self.threads is not None:
             ok = isinstance(self.threads, int) and not isinstance(self.threads, bool)
             _check(ok and self.threads >= 1, "threads", "must be >= 1", self.threads)
