@@ -22,6 +22,7 @@ from services.common.config import (
 )
 from services.common.config_json import from_json
 from services.engine.config import EngineConfig
+from services.engine.sampling_params import SamplingParams
 from services.flags import add_config_flags, config_from_args, flag_message
 
 # Kept free of torch/transformers/grpc imports so `pdserve --help` answers at once: every command
@@ -154,17 +155,9 @@ def _add_generate(generate: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     """`pdserve run`: one prompt through an in-process engine (`services.engine.LLM`)."""
-    from services.engine import LLM, SamplingParams
+    from services.engine import LLM
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-    )
+    params = sampling_params(args)
     llm = LLM(config_from_args(args, EngineConfig))
     if args.prompt_ids is not None:
         prompt: str | list[int] = parse_ids(args.prompt_ids)
@@ -201,6 +194,19 @@ def _run(args: argparse.Namespace) -> int:
     }
     print(json.dumps({**body, **({"logprobs": logprobs} if args.logprobs is not None else {})}))
     return 0
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags of `run` and `generate`; ValueError naming a bad field."""
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
 
 
 def parse_ids(text: str) -> list[int]:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.cli import parse_ids
+from services.cli import parse_ids, sampling_params
 from services.common.channels import check_address
+from services.common.convert import sampling_to_proto
 from services.common.pb import (
-    common_pb2,
     generate_pb2,
     generate_pb2_grpc,
     worker_pb2,
@@ -60,16 +60,7 @@ def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
         raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
     if args.seed is not None and not 0 <= args.seed < 1 << 64:
         raise ValueError(f"--seed: must be in [0, 2**64), got {args.seed}")
-    sampling = common_pb2.SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-    )
+    sampling = sampling_to_proto(sampling_params(args), stop=args.stop)
     request = generate_pb2.GenerateRequest(
         sampling=sampling, cache_salt=getattr(args, "cache_salt", "")
     )
