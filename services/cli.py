@@ -14,12 +14,8 @@ import sys
 import time
 from dataclasses import asdict
 
-from services.common.config import (
-    ClusterConfig,
-    DecodeConfig,
-    PrefillConfig,
-    RouterConfig,
-)
+from services.common.cluster_config import ClusterConfig
+from services.common.config import DecodeConfig, PrefillConfig, RouterConfig
 from services.common.config_json import from_json
 from services.engine.config import EngineConfig
 from services.engine.sampling_params import SamplingParams

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.children import Child, ChildSpec, Pipes
-from services.common.config import ClusterConfig
+from services.common.cluster_config import ClusterConfig
 from services.common.config_json import to_json
 
 READY_PREFIX = "ready "

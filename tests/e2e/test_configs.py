@@ -12,13 +12,8 @@ from typing import Any
 import grpc
 import pytest
 
-from services.common.config import (
-    ClusterConfig,
-    DecodeConfig,
-    PrefillConfig,
-    PrefixIndexConfig,
-    RouterConfig,
-)
+from services.common.cluster_config import ClusterConfig
+from services.common.config import DecodeConfig, PrefillConfig, PrefixIndexConfig, RouterConfig
 from services.common.config_json import from_json, to_dict, to_json
 from services.common.pb import common_pb2, worker_pb2_grpc
 from services.engine.config import EngineConfig, EngineRole

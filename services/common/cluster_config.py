@@ -1,0 +1,121 @@
+"""`pdserve serve`'s config: a router and pools of prefill and decode workers on one machine,
+and the config each child gets from it (`prefill_config(i)`, `decode_config(i)`,
+`router_config(...)`). The role configs themselves are in `config.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from services.common.config import (
+    DEFAULT_HTTP_PORT,
+    DecodeConfig,
+    PrefillConfig,
+    PrefixIndexConfig,
+    RouterConfig,
+    WorkerConfig,
+    _check,
+    _is_number,
+)
+from services.engine.config import EngineConfig
+from services.flags import flag
+
+W = TypeVar("W", bound=WorkerConfig)
+_WORKER_ONLY = ("role", "engine_id")  # set per worker, never a flag
+
+
+_POOL = ("engine", "host", "port", "metrics_port")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """`pdserve serve`: a router and pools of prefill and decode workers on this machine."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata=flag(exclude=_WORKER_ONLY))
+    """The engine every worker runs (each in its own role, with its own engine_id)."""
+    router: RouterConfig = field(
+        default_factory=lambda: RouterConfig(http_port=DEFAULT_HTTP_PORT),
+        metadata=flag(exclude=("model", "max_model_len", "prefill", "decode", "index")),
+    )
+    """The router; its host is every service's, its model and limits are the engine's."""
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    """The prefix index, for the router and every prefill worker."""
+    prefill: PrefillConfig = field(
+        default_factory=PrefillConfig,
+        metadata=flag(prefix="prefill-", exclude=(*_POOL, "index", "drain_timeout")),
+    )
+    """Settings of each prefill worker (flags --prefill-*)."""
+    decode: DecodeConfig = field(
+        default_factory=DecodeConfig,
+        metadata=flag(prefix="decode-", exclude=(*_POOL, "drain_timeout")),
+    )
+    """Settings of each decode worker (flags --decode-*)."""
+    num_prefill: int = 1
+    """Prefill workers."""
+    num_decode: int = 1
+    """Decode workers."""
+    start_timeout: float = 120.0
+    """Seconds each service may take to become ready."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill", "num_decode"):
+            value = getattr(self, name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            _check(ok, name, "must be >= 1", value)
+        _check(
+            _is_number(self.start_timeout) and self.start_timeout > 0,
+            "start_timeout",
+            "must be > 0 seconds",
+            self.start_timeout,
+        )
+        self._check_derived()
+
+    def _check_derived(self) -> None:
+        """The fields the cluster sets for each child must be left alone: a value given there
+        would be silently replaced (raises ValueError naming it and where to set it)."""
+        anonymous = dataclasses.replace(EngineConfig(), engine_id="-")
+        for pool in ("prefill", "decode"):
+            worker = getattr(self, pool)
+            if dataclasses.replace(worker.engine, engine_id="-") != anonymous:
+                raise ValueError(f"{pool}.engine: set by the cluster; set `engine` instead")
+            for name in ("host", "port", "metrics_port"):
+                if getattr(worker, name) != getattr(WorkerConfig, name):
+                    raise ValueError(f"{pool}.{name}: set by the cluster (router.host, free ports)")
+        if self.prefill.index != PrefixIndexConfig():
+            raise ValueError("prefill.index: set by the cluster; set `index` instead")
+        defaults = RouterConfig()
+        for name in ("model", "max_model_len", "prefill", "decode", "index"):
+            if getattr(self.router, name) != getattr(defaults, name):
+                raise ValueError(
+                    f"router.{name}: set by the cluster (from engine, index and the workers)"
+                )
+
+    def prefill_config(self, index: int) -> PrefillConfig:
+        """The config of prefill worker `index` (free ports, its own engine id, the index)."""
+        return dataclasses.replace(self._member(self.prefill, index), index=self.index)
+
+    def decode_config(self, index: int) -> DecodeConfig:
+        """The config of decode worker `index` (free ports, its own engine id)."""
+        return self._member(self.decode, index)
+
+    def _member(self, worker: W, index: int) -> W:
+        """Pool member `index`: the cluster's engine under a fresh engine id, on free ports of
+        the router's host."""
+        engine_id = f"{worker.role.value}-{index}-{uuid.uuid4().hex[:12]}"
+        engine = dataclasses.replace(self.engine, engine_id=engine_id)
+        return dataclasses.replace(
+            worker, engine=engine, host=self.router.host, port=0, metrics_port=0
+        )
+
+    def router_config(self, prefill: list[str], decode: list[str]) -> RouterConfig:
+        """The router's config, pointed at the workers' gRPC addresses."""
+        return dataclasses.replace(
+            self.router,
+            model=self.engine.model,
+            max_model_len=self.engine.max_model_len,
+            index=self.index,
+            prefill=tuple(prefill),
+            decode=tuple(decode),
+        )
