@@ -1,5 +1,5 @@
-"""KV transfer over gRPC, destination side: the engine's `KVTransfer` interface between processes
-(the source side, the prefill worker's KVTransfer service, is `kv_transfer_service.py`).
+"""KV transfer over gRPC, destination side: the engine's `KVReceiver` between processes (the
+source side is the prefill worker's `KVSender`, served by `kv_transfer_service.py`).
 
 Pull model (as vLLM's NixlConnector): the prefill worker keeps a request's blocks pinned under a
 lease and serves them from its `KVTransfer` service. A decode worker handshakes once per prefill

@@ -44,7 +44,7 @@ class KVReserved:
 
 @dataclass(frozen=True)
 class CompletionOutput:
-    """A finished request from `Engine.generate`."""
+    """A finished request from `LLM.generate`."""
 
     request_id: str
     prompt_token_ids: list[int]
