@@ -35,6 +35,8 @@ class RunningService:
     grpc_address: str  # HOST:PORT
     metrics_url: str  # http://HOST:PORT/metrics
     health: health.HealthServicer
+    port: int  # the gRPC port bound (a free one when 0 was asked for)
+    metrics_port: int  # the /metrics port bound
 
     def ready_line(self, **extra) -> str:
         """`ready {json}`: what `pdserve serve` reads to learn where this service listens."""
@@ -90,7 +92,13 @@ def start_service(
         raise OSError(f"metrics_port: cannot bind {host}:{metrics_port} ({exc.strerror})") from None
     server.start()
     return RunningService(
-        role, server, f"{host}:{bound}", f"http://{host}:{metrics_bound}/metrics", health_servicer
+        role,
+        server,
+        f"{host}:{bound}",
+        f"http://{host}:{metrics_bound}/metrics",
+        health_servicer,
+        bound,
+        metrics_bound,
     )
 
 

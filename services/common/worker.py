@@ -29,9 +29,9 @@ _POLL_SECONDS = 0.05
 def effective_config(config: W, engine: EngineConfig, service: RunningService) -> W:
     """What a started worker runs with: its engine's resolved config (role, max_model_len,
     events) and the ports it bound."""
-    grpc_port = int(service.grpc_address.rpartition(":")[2])
-    metrics_port = int(service.metrics_url.rpartition(":")[2].split("/")[0])
-    return dataclasses.replace(config, engine=engine, port=grpc_port, metrics_port=metrics_port)
+    return dataclasses.replace(
+        config, engine=engine, port=service.port, metrics_port=service.metrics_port
+    )
 
 
 def worker_info(loop: EngineLoop, config: WorkerConfig) -> common_pb2.WorkerInfo:

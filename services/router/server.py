@@ -119,12 +119,10 @@ def effective_router_config(
     config: RouterConfig, service: RunningService, http: HttpApi | None, max_model_len: int
 ) -> RouterConfig:
     """What a started router runs with: the ports it bound and the resolved max_model_len."""
-    port = int(service.grpc_address.rpartition(":")[2])
-    metrics_port = int(service.metrics_url.rpartition(":")[2].split("/")[0])
     return dataclasses.replace(
         config,
-        port=port,
-        metrics_port=metrics_port,
+        port=service.port,
+        metrics_port=service.metrics_port,
         http_port=http.port if http else None,
         max_model_len=max_model_len,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -106,3 +107,10 @@ def generate(stub, timeout: float = 120, **request) -> tuple[list[int], str, str
         text += msg.text
         finish = msg.finish_reason or finish
     return token_ids, text, finish
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (for configs that name their ports)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 from typing import Any
 
 import grpc
@@ -17,7 +16,7 @@ from services.common.config import DecodeConfig, PrefillConfig, PrefixIndexConfi
 from services.common.config_json import from_json, to_dict, to_json
 from services.common.pb import common_pb2, worker_pb2_grpc
 from services.engine.config import EngineConfig, EngineRole
-from tests.e2e.cluster import generate, generation_stub, start
+from tests.e2e.cluster import free_port, generate, generation_stub, start
 
 pytestmark = pytest.mark.e2e
 
@@ -38,12 +37,6 @@ DERIVED = {
     ),
     "prefill.index",
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _port(address: str) -> int:
@@ -72,8 +65,8 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
     )
     router = RouterConfig(
         host="localhost",
-        port=_free_port(),
-        metrics_port=_free_port(),
+        port=free_port(),
+        metrics_port=free_port(),
         http_port=0,
         request_timeout=100.0,
         routing="round_robin",

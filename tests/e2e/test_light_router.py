@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from services.common.config import DecodeConfig, PrefillConfig
 from services.decode.server import start_decode
 from services.engine.config import EngineConfig
 from services.prefill.server import start_prefill
-from tests.e2e.cluster import generate, generation_stub
+from tests.e2e.cluster import free_port, generate, generation_stub
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -35,12 +34,6 @@ ROUTER = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ready(process: subprocess.Popen, timeout: float = 240) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -54,7 +47,7 @@ def _ready(process: subprocess.Popen, timeout: float = 240) -> dict:
 
 def test_router_with_an_empty_cache_serves_without_torch(tmp_path):
     cache = tmp_path / "cache"
-    ports = {"prefill": _free_port(), "decode": _free_port()}
+    ports = {"prefill": free_port(), "decode": free_port()}
     report = tmp_path / "heavy.json"
     argv = [
         "router",
