@@ -18,8 +18,8 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -34,6 +34,7 @@ class ChildSpec:
     role: str  # "router" | "prefill" | "decode"
     argv: list[str]
     config: Any = None  # the role config `argv` hands the child (RouterConfig, PrefillConfig, ...)
+    env: Mapping[str, str] = field(default_factory=dict)  # added to the supervisor's environment
 
 
 def _load_prctl() -> Callable[..., int] | None:
@@ -72,7 +73,7 @@ class Child:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=env,
+            env={**env, **spec.env},
             preexec_fn=_child_setup(os.getpid()),
         )
 

@@ -8,14 +8,16 @@ service each; `generate` is a client of the router (services/client.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
 
 from services.common.cluster_config import ClusterConfig
-from services.common.config import DecodeConfig, PrefillConfig, RouterConfig
+from services.common.config import DecodeConfig, PrefillConfig, RouterConfig, with_env_api_key
 from services.common.config_json import from_json
 from services.engine.config import EngineConfig
 from services.engine.sampling_params import SamplingParams
@@ -129,9 +131,16 @@ def service_config(args: argparse.Namespace) -> object:
     """The role config of a service command (`serve`, `prefill`, `decode`, `router`): from
     `--config-json` when given, else from the flags. Raises ValueError naming a bad flag."""
     config_cls = SERVICES[args.command]
+    config: object
     if args.config_json is not None:
-        return from_json(config_cls, args.config_json)
-    return config_from_args(args, config_cls)
+        config = from_json(config_cls, args.config_json)
+    else:
+        config = config_from_args(args, config_cls)
+    if isinstance(config, RouterConfig):
+        return with_env_api_key(config, os.environ)
+    if isinstance(config, ClusterConfig):
+        return dataclasses.replace(config, router=with_env_api_key(config.router, os.environ))
+    return config
 
 
 def _add_generate(generate: argparse.ArgumentParser) -> None:

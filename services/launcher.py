@@ -15,6 +15,7 @@ carries only the ready line. No helper threads also means forking a child never 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from typing import Any
 
 from services.children import Child, ChildSpec, Pipes
 from services.common.cluster_config import ClusterConfig
+from services.common.config import API_KEY_ENV
 from services.common.config_json import to_json
 
 READY_PREFIX = "ready "
@@ -72,7 +74,11 @@ def cluster_spec(config: ClusterConfig) -> ClusterSpec:
 
     def router(prefill: list[str], decode: list[str]) -> ChildSpec:
         router_config = config.router_config(prefill, decode)
-        return ChildSpec("router", "router", _command("router", router_config), router_config)
+        # The API key goes through the environment, never the command line (`ps` shows argv).
+        key = router_config.api_key
+        argv = _command("router", dataclasses.replace(router_config, api_key=None))
+        env = {API_KEY_ENV: key} if key else {}
+        return ChildSpec("router", "router", argv, router_config, env)
 
     return ClusterSpec(workers, router, start_timeout=config.start_timeout)
 

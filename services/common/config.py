@@ -17,6 +17,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
+from services.common.http_config import HttpConfig
 from services.engine.config import DEFAULT_MODEL, EngineConfig, EngineRole
 from services.flags import flag
 from services.placement import parse_cpu_list
@@ -24,6 +25,7 @@ from services.placement import parse_cpu_list
 ROUTING_POLICIES = ("kv", "least_loaded", "round_robin")
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
+API_KEY_ENV = "PDSERVE_API_KEY"  # the router's api_key when its config sets none
 
 
 def _check(ok: bool, name: str, message: str, value: object) -> None:
@@ -99,6 +101,16 @@ class RouterConfig:
     """The prefix index (shared with the prefill workers)."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens (None: the model's positions)."""
+    max_queued_requests: int = 64
+    """Requests admitted beyond what the decode pool runs at once (the sum of its workers'
+    max_num_seqs); more get RESOURCE_EXHAUSTED / 429 with Retry-After at once, never a wait."""
+    max_n: int = 16
+    """Most sequences one request may ask for (OpenAI's `n`), per prompt."""
+    api_key: str | None = field(default=None, repr=False)
+    """Clients must send it (HTTP `Authorization: Bearer KEY`, gRPC metadata `authorization`);
+    /health and /metrics stay open (default: $PDSERVE_API_KEY, else none)."""
+    http: HttpConfig = field(default_factory=HttpConfig)
+    """The HTTP API's limits and timeouts."""
 
     def __post_init__(self) -> None:
         _check(
@@ -132,6 +144,24 @@ class RouterConfig:
         if self.max_model_len is not None:
             ok = isinstance(self.max_model_len, int) and self.max_model_len >= 1
             _check(ok, "max_model_len", "must be an integer >= 1", self.max_model_len)
+        for name, low in (("max_queued_requests", 0), ("max_n", 1)):
+            value = getattr(self, name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+            _check(ok, name, f"must be an integer >= {low}", value)
+        _check(
+            self.api_key is None or isinstance(self.api_key, str) and bool(self.api_key),
+            "api_key",
+            "must be a non-empty string or None",
+            "<hidden>",
+        )
+        _check(isinstance(self.http, HttpConfig), "http", "must be an HttpConfig", self.http)
+
+
+def with_env_api_key(config: RouterConfig, environ: typing.Mapping[str, str]) -> RouterConfig:
+    """`config` with `api_key` from $PDSERVE_API_KEY when it sets none (as vLLM's
+    VLLM_API_KEY)."""
+    key = environ.get(API_KEY_ENV)
+    return dataclasses.replace(config, api_key=key) if config.api_key is None and key else config
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,8 @@ INVALID_ARGUMENT / RESOURCE_EXHAUSTED / NOT_FOUND, a failed downstream call keep
 (UNAVAILABLE, DEADLINE_EXCEEDED, ...), a KV handshake refusal is FAILED_PRECONDITION, anything
 else is INTERNAL and logged once with its stack. A `PeerUnavailableError` also names the peer
 that failed in the trailing metadata key `pdserve-failed-peer`, so a router can tell a dead KV
-source (retry the prefill elsewhere) from a dead decode worker.
+source (retry the prefill elsewhere) from a dead decode worker. An error with a `retry_after_s`
+attribute (a full queue) sends it as `retry-after` in the trailing metadata.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ logger = logging.getLogger(__name__)
 
 
 FAILED_PEER_KEY = "pdserve-failed-peer"
+RETRY_AFTER_KEY = "retry-after"
+
+
+class UnauthenticatedError(Exception):
+    """The request lacks the API key or has a wrong one (-> UNAUTHENTICATED / HTTP 401)."""
 
 
 class ServiceUnavailableError(Exception):
@@ -65,6 +71,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
+    if isinstance(exc, UnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
@@ -76,6 +84,9 @@ def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
         logger.info("request failed: %s %s", code.name, details)
     if isinstance(exc, PeerUnavailableError):
         context.set_trailing_metadata(((FAILED_PEER_KEY, exc.peer),))
+    retry_after = getattr(exc, "retry_after_s", None)
+    if retry_after is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(retry_after)),))
     context.abort(code, details)
 
 

@@ -136,6 +136,20 @@ KV_CACHE_BYTES = Gauge(
 TOKENIZE_TIME = Histogram(
     "pdserve_tokenize_time_seconds", "Prompt tokenization.", ["role"], buckets=LATENCY_BUCKETS
 )
+REQUESTS_REJECTED = Counter(
+    "pdserve_requests_rejected",
+    "Requests refused before any work (queue_full: admission control).",
+    ["role", "reason"],
+)
+SEQUENCES_IN_FLIGHT = Gauge(
+    "pdserve_sequences_in_flight",
+    "Sequences admitted by the router and not yet finished (running or queued).",
+    ["role"],
+)
+HTTP_READ_TIMEOUTS = Counter(
+    "pdserve_http_read_timeouts",
+    "HTTP connections closed because a request's headers and body did not arrive in time.",
+)
 
 
 # A worker's counters, created at start-up so that one that has not moved yet reads 0 instead of

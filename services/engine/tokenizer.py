@@ -15,6 +15,7 @@ short (one prompt, or a few ids for the detokenizer), so contention is small.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from pathlib import Path
@@ -59,6 +60,23 @@ class Tokenizer:
         the first chat request does not pay the import of transformers, ~0.6 s)."""
         if self.chat_template:
             self.apply_chat_template([{"role": "user", "content": "warm-up"}])
+
+    @functools.cached_property
+    def max_bytes_per_token(self) -> int | None:
+        """Most UTF-8 bytes any one token stands for (~0.1 s to compute, once), so a text of
+        `len(text)` characters has at least `len(text) / max_bytes_per_token` tokens: a prompt
+        far too long is refused without tokenizing it. None when the tokenizer normalizes text
+        first (a normalizer may delete characters, so no such bound holds)."""
+        if self._tokenizer.normalizer is not None:
+            return None
+        with self._lock:
+            return (
+                max(
+                    len(self._tokenizer.decode([i], skip_special_tokens=False).encode())
+                    for i in range(self.vocab_size)
+                )
+                or None
+            )
 
     @property
     def has_chat_template(self) -> bool:

@@ -21,10 +21,12 @@ from services.common.errors import (
     status_for,
 )
 from services.common.pb import generate_pb2
+from services.router.admission import AdmissionGate
 from services.router.cancel import CancelScope
 from services.router.prompt import ModelInfo
 from services.router.request_run import RequestRun
 from services.router.routing import Routing
+from services.router.siblings import Siblings
 from services.router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class GenerateFlow:
         pool: WorkerPool,
         request_timeout: float = RouterConfig.request_timeout,
         routing: Routing | None = None,
+        max_queued_requests: int = RouterConfig.max_queued_requests,
     ) -> None:
         if not request_timeout > 0:
             raise ValueError(f"request_timeout: must be > 0 seconds, got {request_timeout!r}")
@@ -53,6 +56,7 @@ class GenerateFlow:
         self.pool = pool
         self.request_timeout = request_timeout
         self.routing = routing if routing is not None else Routing(pool, "round_robin")
+        self.admission = AdmissionGate(pool.decode_slots, max_queued_requests)
 
     def deadline_for(self, time_remaining: float | None) -> float:
         """Absolute `time.monotonic()` deadline for a client with `time_remaining` seconds left
@@ -66,16 +70,24 @@ class GenerateFlow:
         request: generate_pb2.GenerateRequest,
         deadline: float,
         scope: CancelScope | None = None,
+        admit: bool = True,
+        siblings: Siblings | None = None,
+        leader: bool = True,
     ) -> Generator[generate_pb2.GenerateResponse, None, None]:
         """Streams the completion; the last message has finish_reason, usage and timings.
 
-        Raises (when iterated): InvalidRequestError / ValueError for bad input (field named),
-        ServiceUnavailableError with no workers, TimeoutError past the deadline,
-        RequestCancelledError when `scope` is cancelled, grpc.RpcError from a worker.
-        Closing the generator early cancels whatever is in flight.
+        `admit`: take one unit of the admission gate for the request's life (False: the caller
+        holds units for it, as the HTTP API does for all the choices of one request).
+        `siblings`: the group of the n sequences of one prompt (`siblings.py`), this one its
+        `leader` or not.
+        Raises (when iterated): OverloadedError when the gate is full, InvalidRequestError /
+        ValueError for bad input (field named), ServiceUnavailableError with no workers,
+        TimeoutError past the deadline, RequestCancelledError when `scope` is cancelled,
+        grpc.RpcError from a worker. Closing the generator early cancels whatever is in flight.
         """
         scope = scope if scope is not None else CancelScope()
-        run = RequestRun(self, request, deadline, scope)
+        ticket = self.admission.admit() if admit else None
+        run = RequestRun(self, request, deadline, scope, siblings, leader)
         finished = False
         try:
             for response in run.responses():
@@ -87,6 +99,8 @@ class GenerateFlow:
             raise
         finally:
             scope.cancel()  # anything still in flight is no longer wanted
+            if ticket is not None:
+                ticket.release()
 
     @staticmethod
     def _failure_code(exc: BaseException, deadline: float) -> grpc.StatusCode:

@@ -1,17 +1,19 @@
 """OpenAI-compatible request parsing (completions and chat completions).
 
-Only the JSON shapes live here (responses: `openai_responses.py`); `http_api.py` serves them
-and `generate.py` runs the request.
-Supported request fields: model, prompt (completions: a string, a list of token ids, or a
-one-element list of either) / messages (chat), max_tokens (chat also max_completion_tokens),
-temperature, top_p, top_k (extension, as in vLLM), seed, stop (string or list), stream,
-stream_options.include_usage, ignore_eos (extension), cache_salt (extension, as in vLLM: requests
-share cached prefixes only with the same salt), n and best_of (1 only), and log-probabilities:
-completions `logprobs` (0..20 alternatives), chat `logprobs` (bool) with `top_logprobs` (0..20).
-Token strings in logprobs are each token decoded on its own (a character split across tokens
-shows as U+FFFD there; `bytes` are that string's UTF-8). echo, suffix and tools are refused when
-set (400); other unknown fields are ignored, as OpenAI-compatible servers do. Defaults are the
-engine's (max_tokens 16, temperature 1.0).
+Only the JSON shapes live here (responses: `openai_responses.py`; sampling fields:
+`openai_sampling.py`); `http_api.py` serves them and `generate.py` runs each sequence.
+Request fields: model (must be the served one: 404 otherwise; absent means it), prompt
+(completions: a string, a list of token ids, or a list of either, each its own prompt) /
+messages (chat: roles system, developer, user, assistant; content a string or a list of text
+parts), n (1..max_n sequences per prompt; choice i of prompt p has index p * n + i, and with a
+seed it samples with seed + i, as vLLM's parallel sampling), echo (completions: the prompt's
+text before each choice's), stream, stream_options.include_usage, cache_salt (extension, as in
+vLLM: requests share cached prefixes only with the same salt), and the sampling fields.
+What OpenAI defines and pdserve does not do is refused by name when asked for with a value that
+would change the answer (best_of other than n, suffix, tools, tool_choice other than "none" /
+"auto", response_format other than {"type": "text"}, functions); the no-op values are accepted.
+Other unknown fields are ignored, as OpenAI-compatible servers do. Defaults are the engine's
+(max_tokens 16, temperature 1.0).
 """
 
 from __future__ import annotations
@@ -21,25 +23,34 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.pb import common_pb2, generate_pb2
+from services.common.pb import generate_pb2
 from services.engine.errors import InvalidRequestError
+from services.router.openai_sampling import (
+    INT32_MAX,
+    UINT64_MAX,
+    checked_text,
+    is_int,
+    optional,
+    sampling_from_body,
+)
+from services.router.prompt import CHAT_ROLES
 
-INT32_MAX = 2**31 - 1
-UINT64_MAX = 2**64 - 1
-# Asking for these would silently get something else, so they are refused.
-UNSUPPORTED = ("echo", "suffix", "tools")
-MAX_LOGPROBS = 20
+MAX_PROMPTS = 256  # prompts in one completions request
+_NO_OP = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},)}
 
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """A parsed request: the Generate call plus how to shape the reply."""
+    """A parsed request: one Generate request per prompt, and how to shape the reply."""
 
-    generate: generate_pb2.GenerateRequest
+    prompts: tuple[generate_pb2.GenerateRequest, ...]
     chat: bool
     stream: bool
     include_usage: bool
+    n: int = 1
+    echo: bool = False
     logprobs: bool = False  # render log-probabilities in the reply
+    model: str | None = None  # as the client named it (None: not named)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -47,141 +58,143 @@ class OpenAIRequest:
     def response_id(self) -> str:
         return ("chatcmpl-" if self.chat else "cmpl-") + self.request_id
 
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _optional(
-    body: dict, name: str, kind: str, low: int = -INT32_MAX - 1, high: int = INT32_MAX
-) -> Any:
-    """body[name] checked to be `kind` ("int", "number" or "bool"); None when absent or null."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if kind == "bool" and not isinstance(value, bool):
-        raise InvalidRequestError(name, f"must be true or false, got {value!r}")
-    if kind == "number" and not (_is_int(value) or isinstance(value, float)):
-        raise InvalidRequestError(name, f"must be a number, got {value!r}")
-    if kind == "int" and not _is_int(value):
-        raise InvalidRequestError(name, f"must be an integer, got {value!r}")
-    if kind == "int" and not low <= value <= high:
-        raise InvalidRequestError(name, f"must be in [{low}, {high}], got {value}")
-    return value
+    def choice_requests(self) -> list[generate_pb2.GenerateRequest]:
+        """The Generate request of every choice, in choice-index order (p * n + i); choice i
+        of a seeded request samples with seed + i."""
+        out = []
+        for p, prompt in enumerate(self.prompts):
+            for i in range(self.n):
+                request = generate_pb2.GenerateRequest()
+                request.CopyFrom(prompt)
+                request.request_id = f"{self.request_id}-{p * self.n + i}"
+                if i and prompt.sampling.HasField("seed"):
+                    request.sampling.seed = (prompt.sampling.seed + i) % (UINT64_MAX + 1)
+                out.append(request)
+        return out
 
 
-def _stop_strings(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise InvalidRequestError("stop", "must be a string or a list of strings")
+def _refuse_unsupported(body: dict, chat: bool, n: int) -> None:
+    """Fields OpenAI defines that pdserve does not do, refused by name when they matter."""
+    best_of = optional(body, "best_of", "int")
+    if best_of is not None and best_of != n:
+        raise InvalidRequestError("best_of", "is not supported (only best_of equal to n)")
+    for name in ("suffix", "tools", "functions", "function_call"):
+        if body.get(name):  # absent, null, false, [] and "" all mean "not asked for"
+            raise InvalidRequestError(name, "is not supported by pdserve")
+    for name, no_ops in _NO_OP.items():
+        if body.get(name) is not None and body[name] not in no_ops:
+            raise InvalidRequestError(
+                name, f"is not supported by pdserve (only {' or '.join(map(repr, no_ops))})"
+            )
+    if body.get("echo") and chat:
+        raise InvalidRequestError("echo", "is a completions field")
 
 
-def sampling_from_body(body: dict, chat: bool) -> common_pb2.SamplingParams:
-    """The sampling fields as a proto; value ranges are checked later by SamplingParams."""
-    ignore_eos = bool(_optional(body, "ignore_eos", "bool"))
-    msg = common_pb2.SamplingParams(stop=_stop_strings(body), ignore_eos=ignore_eos)
-    max_tokens = _optional(body, "max_tokens", "int")
-    if chat and max_tokens is None:
-        max_tokens = _optional(body, "max_completion_tokens", "int")
-    for name, value in (
-        ("max_tokens", max_tokens),
-        ("temperature", _optional(body, "temperature", "number")),
-        ("top_p", _optional(body, "top_p", "number")),
-        ("top_k", _optional(body, "top_k", "int")),
-        ("seed", _optional(body, "seed", "int", 0, UINT64_MAX)),
-    ):
-        if value is not None:
-            setattr(msg, name, value)
-    num_logprobs = _logprobs_asked(body, chat)
-    if num_logprobs is not None:
-        msg.logprobs = num_logprobs
-    return msg
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """Completions `prompt`: a string, token ids, or a non-empty list of either."""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and len(prompt) <= MAX_PROMPTS:
+        if all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+            return prompt
+    raise InvalidRequestError(
+        "prompt",
+        f"must be a string, a list of token ids, or a list of at most {MAX_PROMPTS} of either",
+    )
 
 
-def _logprobs_asked(body: dict, chat: bool) -> int | None:
-    """Top alternatives per token, or None when log-probabilities are not asked for."""
-    if not chat:
-        return _optional(body, "logprobs", "int", 0, MAX_LOGPROBS)
-    top = _optional(body, "top_logprobs", "int", 0, MAX_LOGPROBS)
-    if not _optional(body, "logprobs", "bool"):
-        if top is not None:
-            raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
-        return None
-    return top or 0
+def _is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(is_int(t) and -INT32_MAX - 1 <= t <= INT32_MAX for t in value)
+    )
 
 
-def _set_prompt(request: generate_pb2.GenerateRequest, prompt: Any) -> None:
-    """Completions `prompt`: a string, token ids, or a one-element list of either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+def _set_prompt(request: generate_pb2.GenerateRequest, prompt: str | list[int], field: str) -> None:
     if isinstance(prompt, str):
-        request.text = prompt
-    elif isinstance(prompt, list) and all(
-        _is_int(t) and -INT32_MAX - 1 <= t <= INT32_MAX for t in prompt
-    ):
-        request.token_ids.ids.extend(prompt)
+        request.text = checked_text(prompt, field)
     else:
-        raise InvalidRequestError(
-            "prompt", "must be a string, a list of token ids, or a one-element list of either"
-        )
+        request.token_ids.ids.extend(prompt)
 
 
 def _message_content(message: Any, i: int) -> str:
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise InvalidRequestError(f"messages[{i}]", "must be an object with a string role")
+    if not isinstance(message, dict):
+        raise InvalidRequestError(f"messages[{i}]", "must be an object with a role")
+    if message.get("role") not in CHAT_ROLES:
+        raise InvalidRequestError(
+            f"messages[{i}].role",
+            f"expected one of {', '.join(CHAT_ROLES)}, got {message.get('role')!r:.40}",
+        )
     content = message.get("content")
+    if content is None and message["role"] == "assistant":
+        return ""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" for p in content
-    ):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
+        return checked_text(content, f"messages[{i}].content")
+    if not isinstance(content, list):
+        raise InvalidRequestError(
+            f"messages[{i}].content", "must be a string or a list of text parts"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise InvalidRequestError(where, 'must be a {"type": "text", "text": ...} part')
+        texts.append(checked_text(part.get("text"), f"{where}.text"))
+    return "".join(texts)
 
 
 def _set_messages(request: generate_pb2.GenerateRequest, messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list")
     for i, message in enumerate(messages):
-        request.chat.messages.add(
-            role=message["role"] if isinstance(message, dict) else "",
-            content=_message_content(message, i),
-        )
+        content = _message_content(message, i)
+        request.chat.messages.add(role=message["role"], content=content)
 
 
-def parse_request(body: Any, chat: bool) -> OpenAIRequest:
-    """Builds the Generate request; InvalidRequestError names the offending field."""
+def parse_request(body: Any, chat: bool, max_n: int = 16) -> OpenAIRequest:
+    """Builds the Generate requests; InvalidRequestError names the offending field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", "must be a JSON object")
-    for name in ("n", "best_of"):
-        if _optional(body, name, "int") not in (None, 1):
-            raise InvalidRequestError(name, "only 1 is supported")
-    for name in UNSUPPORTED:
-        if body.get(name):  # absent, null, false, 0 and "" all mean "not asked for"
-            raise InvalidRequestError(name, "is not supported by pdserve")
+    n = optional(body, "n", "int", 1, max_n)
+    n = 1 if n is None else n
+    _refuse_unsupported(body, chat, n)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError("model", "must be a string")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise InvalidRequestError("stream_options", "must be an object")
     sampling = sampling_from_body(body, chat)
-    parsed = OpenAIRequest(
-        generate_pb2.GenerateRequest(sampling=sampling),
-        chat,
-        stream=bool(_optional(body, "stream", "bool")),
-        include_usage=bool(_optional(stream_options, "include_usage", "bool")),
-        logprobs=sampling.HasField("logprobs"),
-    )
-    parsed.generate.request_id = parsed.request_id
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidRequestError("cache_salt", "must be a non-empty string")
-    parsed.generate.cache_salt = salt or ""  # its length is checked with the rest of the request
+    template = generate_pb2.GenerateRequest(sampling=sampling, cache_salt=salt or "")
+    prompts = []
     if chat:
-        _set_messages(parsed.generate, body.get("messages"))
+        prompts.append(template)
+        _set_messages(template, body.get("messages"))
     else:
-        _set_prompt(parsed.generate, body.get("prompt"))
-    return parsed
+        items = _prompts(body.get("prompt"))
+        for p, item in enumerate(items):
+            request = generate_pb2.GenerateRequest()
+            request.CopyFrom(template)
+            _set_prompt(request, item, "prompt" if len(items) == 1 else f"prompt[{p}]")
+            prompts.append(request)
+    echo = bool(optional(body, "echo", "bool"))
+    if echo and sampling.HasField("logprobs"):
+        raise InvalidRequestError("echo", "with logprobs is not supported (no prompt logprobs)")
+    return OpenAIRequest(
+        tuple(prompts),
+        chat,
+        stream=bool(optional(body, "stream", "bool")),
+        include_usage=bool(optional(stream_options, "include_usage", "bool")),
+        n=n,
+        echo=echo,
+        logprobs=sampling.HasField("logprobs"),
+        model=model,
+    )

@@ -10,12 +10,17 @@ from services.common.pb import common_pb2, generate_pb2
 from services.router.openai_protocol import OpenAIRequest
 
 
-def usage_body(usage: generate_pb2.Usage) -> dict:
+def usage_body(usages: Sequence[generate_pb2.Usage], n: int = 1) -> dict:
+    """OpenAI's usage of a request whose choices had `usages` (n per prompt, in choice order):
+    each prompt counted once, every choice's completion tokens."""
+    prompts = usages[::n]
+    prompt_tokens = sum(u.prompt_tokens for u in prompts)
+    completion_tokens = sum(u.completion_tokens for u in usages)
     return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in prompts)},
     }
 
 
@@ -65,50 +70,64 @@ def _chat_token(token: str, logprob: float) -> dict:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-def response_body(
-    req: OpenAIRequest,
-    model: str,
-    text: str,
-    finish_reason: str,
-    usage: generate_pb2.Usage,
-    logprobs: dict | None = None,
+def choice_body(
+    req: OpenAIRequest, index: int, text: str, finish_reason: str, logprobs: dict | None = None
 ) -> dict:
-    """The non-streaming reply; `logprobs` as `logprobs_body` renders them."""
+    """One choice of the non-streaming reply; `logprobs` as `logprobs_body` renders them."""
     if req.chat:
         message = {"role": "assistant", "content": text}
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "message": message,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {**_envelope(req, model, chunk=False), "choices": [choice], "usage": usage_body(usage)}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def response_body(
+    req: OpenAIRequest, model: str, choices: list[dict], usages: Sequence[generate_pb2.Usage]
+) -> dict:
+    """The non-streaming reply: `choices` from `choice_body`, in index order."""
+    usage = usage_body(usages, req.n)
+    return {**_envelope(req, model, chunk=False), "choices": choices, "usage": usage}
 
 
 def chunk_body(
     req: OpenAIRequest,
     model: str,
+    index: int,
     text: str,
     finish_reason: str | None,
     first: bool,
     logprobs: dict | None = None,
 ) -> dict:
-    """One streamed (SSE) chunk; the chat's first chunk also carries the assistant role."""
+    """One streamed (SSE) chunk of choice `index`; a chat choice's first chunk also carries the
+    assistant role."""
     if req.chat:
         delta: dict[str, str] = {"role": "assistant"} if first else {}
         if text or not first:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
     return {**_envelope(req, model, chunk=True), "choices": [choice]}
 
 
-def usage_chunk_body(req: OpenAIRequest, model: str, usage: generate_pb2.Usage) -> dict:
+def usage_chunk_body(req: OpenAIRequest, model: str, usages: Sequence[generate_pb2.Usage]) -> dict:
     """The extra last chunk sent when stream_options.include_usage is set (choices empty)."""
-    return {**_envelope(req, model, chunk=True), "choices": [], "usage": usage_body(usage)}
+    usage = usage_body(usages, req.n)
+    return {**_envelope(req, model, chunk=True), "choices": [], "usage": usage}
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
@@ -116,16 +135,16 @@ def error_body(message: str, kind: str, code: int, param: str | None = None) -> 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def models_body(model: str, max_model_len: int) -> dict:
+def model_card(model: str, max_model_len: int) -> dict:
+    """One entry of /v1/models (and the body of /v1/models/{model})."""
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": model,
-                "object": "model",
-                "created": 0,
-                "owned_by": "pdserve",
-                "max_model_len": max_model_len,
-            }
-        ],
+        "id": model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "pdserve",
+        "max_model_len": max_model_len,
     }
+
+
+def models_body(model: str, max_model_len: int) -> dict:
+    return {"object": "list", "data": [model_card(model, max_model_len)]}

@@ -21,7 +21,7 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,19 @@ class ModelInfo:
             logger.warning("model %s has no tokenizer: only token-id prompts are accepted", path)
         else:
             tokenizer.prepare_chat_template()
+            _ = tokenizer.max_bytes_per_token  # computed now, not by the first request
         return cls(model, path, vocab_size, limit, tokenizer)
+
+    def check_text_length(self, num_chars: int, field: str) -> None:
+        """InvalidRequestError naming `field` when a text of `num_chars` characters must have
+        at least max_model_len tokens (checked in constant time, before tokenizing)."""
+        per_token = self.tokenizer.max_bytes_per_token if self.tokenizer else None
+        if per_token and num_chars // per_token >= self.max_model_len:
+            raise InvalidRequestError(
+                field,
+                f"{num_chars} characters are at least {num_chars // per_token} tokens; "
+                f"a prompt must be shorter than max_model_len {self.max_model_len} tokens",
+            )
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,12 @@ def prepare_request(request: generate_pb2.GenerateRequest, model: ModelInfo) -> 
         ValueError: a sampling field out of range (max_tokens, temperature, top_p, top_k).
     """
     params = sampling_from_proto(request.sampling)
+    if params.max_tokens >= model.max_model_len:  # before tokenizing: no prompt could fit it
+        raise InvalidRequestError(
+            "max_tokens",
+            f"must be below max_model_len {model.max_model_len} (room for the prompt), "
+            f"got {params.max_tokens}",
+        )
     stop = tuple(request.sampling.stop)
     if any(not s for s in stop):
         raise InvalidRequestError("stop", "stop strings must not be empty")
@@ -96,6 +114,12 @@ def prepare_request(request: generate_pb2.GenerateRequest, model: ModelInfo) -> 
             f"{len(prompt_ids)} tokens; must be shorter than max_model_len {model.max_model_len}",
         )
     check_token_ids(prompt_ids, model.vocab_size, "prompt_token_ids")
+    if len(prompt_ids) + params.max_tokens > model.max_model_len:  # 400 up front, as vLLM
+        raise InvalidRequestError(
+            "max_tokens",
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"max_model_len {model.max_model_len}",
+        )
     # Workers key requests (and KV handles) by id: a client's own id gets a unique suffix so two
     # clients reusing one id can never collide.
     request_id = (
@@ -115,15 +139,18 @@ def tokenize_prompt(request: generate_pb2.GenerateRequest, model: ModelInfo) -> 
     if tokenizer is None:
         raise InvalidRequestError("prompt", "this model has no tokenizer; send token_ids")
     if kind == "text":
+        model.check_text_length(len(request.text), "prompt")
         return tokenizer.encode(request.text) if request.text else []
     messages = chat_messages(request.chat)
+    model.check_text_length(sum(len(m["content"]) for m in messages), "messages")
     if not tokenizer.has_chat_template:
         raise InvalidRequestError("chat", "this model's tokenizer has no chat template")
     return tokenizer.encode(tokenizer.apply_chat_template(messages))
 
 
 def chat_messages(chat: generate_pb2.ChatMessages) -> list[dict[str, str]]:
-    """The chat as template input; InvalidRequestError for no messages or an unknown role."""
+    """The chat as template input (a "developer" message as "system"); InvalidRequestError for
+    no messages or an unknown role."""
     if not chat.messages:
         raise InvalidRequestError("prompt", "chat has no messages")
     for i, message in enumerate(chat.messages):
@@ -132,4 +159,8 @@ def chat_messages(chat: generate_pb2.ChatMessages) -> list[dict[str, str]]:
                 f"chat.messages[{i}].role",
                 f"expected one of {', '.join(CHAT_ROLES)}, got {message.role!r}",
             )
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+    # OpenAI's "developer" messages replace "system" ones; chat templates know only "system".
+    return [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+        for m in chat.messages
+    ]

@@ -27,10 +27,11 @@ from services.common.channels import release_kv
 from services.common.convert import sampling_to_proto
 from services.common.errors import PeerUnavailableError, ServiceUnavailableError, failed_peer
 from services.common.pb import common_pb2, generate_pb2, worker_pb2
-from services.engine.errors import ResourceExhaustedError
+from services.engine.errors import InvalidRequestError
 from services.router.cancel import CancelScope, RequestCancelledError
 from services.router.prompt import PreparedRequest, prepare_request
 from services.router.responses import delta_response, drain, final_response
+from services.router.siblings import Siblings
 from services.router.stats import RequestStats
 from services.router.text_stream import TextStream
 
@@ -49,8 +50,11 @@ class RequestRun:
         request: generate_pb2.GenerateRequest,
         deadline: float,
         scope: CancelScope,
+        siblings: Siblings | None = None,
+        leader: bool = True,
     ) -> None:
         self.flow = flow
+        self.siblings, self.leader = siblings, leader
         self.request = request
         self.deadline = deadline
         self.scope = scope
@@ -82,6 +86,8 @@ class RequestRun:
         finally:
             if self.handle is not None and not self.kv_landed:
                 self._release_kv(self.handle.request_id or self.request_id, self._kv_source())
+            if self.siblings is not None and self.leader:
+                self.siblings.ended()
 
     def _kv_source(self) -> str:
         """HOST:PORT serving the handle's KV (a worker that names no source serves it itself)."""
@@ -147,10 +153,11 @@ class RequestRun:
         needed = len(prepared.prompt_token_ids) + prepared.params.max_tokens
         capacity = self.flow.pool.decode_capacity()
         if capacity is not None and needed > capacity:  # refused before any prefill work
-            raise ResourceExhaustedError(
+            raise InvalidRequestError(
+                "max_tokens",
                 f"prompt ({len(prepared.prompt_token_ids)} tokens) + "
                 f"max_tokens ({prepared.params.max_tokens}) can never fit: "
-                f"the largest decode worker's KV cache holds {capacity} tokens per request"
+                f"the largest decode worker's KV cache holds {capacity} tokens per request",
             )
         return prepared
 
@@ -159,9 +166,12 @@ class RequestRun:
         answers UNAVAILABLE (dead, or draining) is marked unhealthy and the call goes once to
         another healthy worker, if there is one."""
         routing, num_prompt = self.flow.routing, len(prepared.prompt_token_ids)
+        prefer = None
+        if self.siblings is not None and not self.leader:
+            prefer = self.siblings.prefill_worker(self._remaining())
         for attempt in (1, 2):
             self.prefill_address, _ = routing.pick_prefill(
-                prepared.prompt_token_ids, prepared.cache_salt
+                prepared.prompt_token_ids, prepared.cache_salt, prefer if attempt == 1 else None
             )
             try:
                 response = self._call_prefill(prepared)
@@ -177,6 +187,8 @@ class RequestRun:
             routing.learn_routed(
                 self.prefill_address, prepared.prompt_token_ids, prepared.cache_salt
             )
+            if self.siblings is not None and self.leader:
+                self.siblings.prefilled(self.prefill_address)
             return response
         raise AssertionError("unreachable")
 
@@ -211,7 +223,10 @@ class RequestRun:
         self, prepared: PreparedRequest, handle: common_pb2.KVHandle, text: TextStream
     ) -> Iterator[generate_pb2.GenerateResponse]:
         """Streams the Decode RPC's tokens through `text` until a finish_reason or stop string."""
-        address = self.flow.routing.pick_decode()
+        prefer = None
+        if self.siblings is not None and not self.leader:
+            prefer = self.siblings.decode_worker(self._remaining())
+        address = self.flow.routing.pick_decode(prefer)
         try:
             yield from self._stream_decode(prepared, handle, text, address)
         except grpc.RpcError as exc:
@@ -244,6 +259,8 @@ class RequestRun:
                 if not self.kv_landed:
                     self.kv_landed = True
                     self.stats.on_kv_transfer(reply.kv_transfer_seconds)
+                    if self.siblings is not None and self.leader:
+                        self.siblings.landed(address)
                 delta = text.add(list(reply.token_ids))
                 if delta.stopped:
                     call.cancel()  # the decode worker frees the request's blocks now

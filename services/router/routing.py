@@ -78,11 +78,16 @@ class Routing:
 
     # -- prefill -------------------------------------------------------------------------------
 
-    def pick_prefill(self, prompt_ids: Sequence[int], cache_salt: str = "") -> tuple[str, int]:
+    def pick_prefill(
+        self, prompt_ids: Sequence[int], cache_salt: str = "", prefer: str | None = None
+    ) -> tuple[str, int]:
         """(address, expected cached prompt tokens) for a prompt; the caller must call
-        `prefill_done(address, len(prompt_ids))` when its Prefill call ends.
+        `prefill_done(address, len(prompt_ids))` when its Prefill call ends. `prefer`: this
+        worker while it is healthy (a sibling sequence's, whose cache holds the prompt).
         Raises ServiceUnavailableError when no prefill worker is configured."""
         candidates = self._rotated(self.pool.healthy_prefill(), "prefill")
+        if prefer in candidates:
+            candidates = [prefer]
         if self.policy == "round_robin":
             address, expected = candidates[0], 0
         else:
@@ -154,9 +159,12 @@ class Routing:
 
     # -- decode --------------------------------------------------------------------------------
 
-    def pick_decode(self) -> str:
-        """A decode worker; the caller must call `decode_done(address)` when its stream ends."""
+    def pick_decode(self, prefer: str | None = None) -> str:
+        """A decode worker (`prefer` while it is healthy); the caller must call
+        `decode_done(address)` when its stream ends."""
         candidates = self._rotated(self.pool.healthy_decode(), "decode")
+        if prefer in candidates:
+            candidates = [prefer]
         if self.policy == "round_robin":
             address = candidates[0]
         else:

@@ -8,24 +8,32 @@ or blocking (tests, the Ray deployment).
 from __future__ import annotations
 
 import dataclasses
+import hmac
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
-from services.common.config import RouterConfig
+from services.common.config import API_KEY_ENV, RouterConfig
+from services.common.errors import UnauthenticatedError
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2_grpc
 from services.common.server import RunningService, start_service, wait_for_termination
 from services.router.admin import RouterAdminServicer
 from services.router.cancel import CancelScope
 from services.router.generate import GenerateFlow
-from services.router.http_api import HttpApi
+from services.router.http_api import OpenAIApp
+from services.router.http_server import HttpServer
 from services.router.prompt import ModelInfo
 from services.router.routing import Routing
 from services.router.workers import WorkerPool
 
 ROUTER_MAX_STREAMS = 1024  # concurrent Generate streams (one thread each)
 SERVICE_NAME = "pdserve.v1.Generation"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+REDACTED = "<redacted>"
+logger = logging.getLogger(__name__)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -33,12 +41,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     request_timeout when it set none) bounds every downstream call, and a client cancel
     cancels the in-flight downstream call at once."""
 
-    def __init__(self, flow: GenerateFlow) -> None:
+    def __init__(self, flow: GenerateFlow, api_key: str | None = None) -> None:
         self.flow = flow
+        self._key = api_key.encode() if api_key else None
 
     def Generate(  # noqa: N802 - gRPC method name
         self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[generate_pb2.GenerateResponse]:
+        if self._key is not None:
+            check_bearer(context.invocation_metadata(), self._key)
         deadline = self.flow.deadline_for(context.time_remaining())
         scope = CancelScope()
         # Runs when the RPC ends for any reason: cancel, deadline, or normal completion (no-op).
@@ -47,13 +58,24 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         yield from self.flow.generate(request, deadline, scope)
 
 
+def check_bearer(metadata: Any, key: bytes) -> None:
+    """UnauthenticatedError unless the call's `authorization` metadata is `Bearer KEY`
+    (compared in constant time)."""
+    values = [v for k, v in metadata or () if k == "authorization"]
+    scheme, _, token = (values[0] if values else "").partition(" ")
+    value = token.strip().encode() if isinstance(token, str) else b""
+    if scheme.lower() != "bearer" or not hmac.compare_digest(value, key):
+        raise UnauthenticatedError("authorization: missing or wrong API key")
+
+
 @dataclass
 class RunningRouter:
     """A started router: gRPC service, request flow, optional HTTP API."""
 
     service: RunningService
     flow: GenerateFlow
-    http: HttpApi | None
+    http: HttpServer | None
+    app: OpenAIApp | None = None
 
     def ready_line(self) -> str:
         """`ready {json}` with role, grpc, metrics, pid (and http when served)."""
@@ -62,7 +84,9 @@ class RunningRouter:
     def close(self) -> None:
         """Stops the HTTP API and closes worker channels (the caller stops the gRPC server)."""
         if self.http is not None:
-            self.http.close()
+            self.http.close()  # lets running streams finish (http.shutdown_timeout)
+        if self.app is not None:
+            self.app.close()
         self.flow.pool.close()
 
     def stop(self, grace: float = 1.0) -> None:
@@ -76,7 +100,7 @@ def build_flow(config: RouterConfig) -> GenerateFlow:
     model = ModelInfo.load(config.model, config.max_model_len)
     pool = WorkerPool(config.prefill, config.decode)
     routing = Routing(pool, config.routing, config.index.redis_url, config.index.index_ttl)
-    return GenerateFlow(model, pool, config.request_timeout, routing)
+    return GenerateFlow(model, pool, config.request_timeout, routing, config.max_queued_requests)
 
 
 def start_router(config: RouterConfig) -> RunningRouter:
@@ -86,7 +110,7 @@ def start_router(config: RouterConfig) -> RunningRouter:
     Raises ValueError for a bad field, OSError naming the port that cannot be bound.
     """
     flow = build_flow(config)
-    servicer = GenerationServicer(flow)
+    servicer = GenerationServicer(flow, config.api_key)
     admin = RouterAdminServicer(flow.pool, config, flow.model)
     try:
         service = start_service(
@@ -104,23 +128,34 @@ def start_router(config: RouterConfig) -> RunningRouter:
         flow.pool.close()
         raise
     flow.pool.start_health_checks()
-    http = None
+    http, app = None, None
     if config.http_port is not None:
+        app = OpenAIApp(flow, config)
         try:
-            http = HttpApi(flow, config.host, config.http_port, config.model)
+            http = HttpServer(app, config.host, config.http_port, config.http)
         except OSError:
             service.server.stop(0)
+            flow.pool.close()
             raise
+    if config.api_key is None and config.host not in LOOPBACK_HOSTS:
+        logger.warning(
+            "the router binds %s without an API key: anyone who reaches it can use it "
+            "(set --api-key or %s)",
+            config.host,
+            API_KEY_ENV,
+        )
     admin.set_config(effective_router_config(config, service, http, flow.model.max_model_len))
-    return RunningRouter(service, flow, http)
+    return RunningRouter(service, flow, http, app)
 
 
 def effective_router_config(
-    config: RouterConfig, service: RunningService, http: HttpApi | None, max_model_len: int
+    config: RouterConfig, service: RunningService, http: HttpServer | None, max_model_len: int
 ) -> RouterConfig:
-    """What a started router runs with: the ports it bound and the resolved max_model_len."""
+    """What a started router runs with: the ports it bound and the resolved max_model_len
+    (an API key is never reported: it shows as "<redacted>")."""
     return dataclasses.replace(
         config,
+        api_key=REDACTED if config.api_key else None,
         port=service.port,
         metrics_port=service.metrics_port,
         http_port=http.port if http else None,

@@ -11,6 +11,7 @@ free KV blocks (GetInfo) for the routing policy.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from services.common import metrics
 from services.common.channels import ChannelCache, check_address
 from services.common.errors import ServiceUnavailableError
 from services.common.pb import common_pb2, worker_pb2_grpc
+from services.engine.config import EngineConfig
 
 CAPACITY_TIMEOUT_S = 5.0
 CAPACITY_RETRY_S = 10.0
@@ -31,7 +33,16 @@ HEALTH_TIMEOUT_S = 1.0
 HEALTH_FAILURES = (
     2  # consecutive failed checks before a worker is taken out (one slow answer is not enough)
 )
+DEFAULT_MAX_NUM_SEQS = EngineConfig.max_num_seqs
 logger = logging.getLogger(__name__)
+
+
+def _max_num_seqs(info: common_pb2.WorkerInfo) -> int:
+    """The engine's max_num_seqs from a worker's effective config (`WorkerInfo.config_json`)."""
+    try:
+        return int(json.loads(info.config_json)["engine"]["max_num_seqs"])
+    except (ValueError, KeyError, TypeError):
+        return DEFAULT_MAX_NUM_SEQS
 
 
 class WorkerPool:
@@ -58,6 +69,7 @@ class WorkerPool:
         self.unhealthy: set[str] = set()  # addresses taken out of routing
         self._failures: dict[str, int] = {}  # address -> consecutive failed health checks
         self._free_blocks: dict[str, int] = {}  # decode address -> free KV blocks at the last check
+        self._max_num_seqs: dict[str, int] = {}  # decode address -> its engine's max_num_seqs
         self._layout: tuple[str, int] | None = None  # (model_id, block_size) of the prefill workers
         self._prefill_num_blocks: int | None = None
         self._stop = threading.Event()
@@ -91,6 +103,7 @@ class WorkerPool:
                         common_pb2.InfoRequest(), timeout=timeout_s
                     )
                     self._free_blocks[address] = info.num_free_blocks
+                    self._max_num_seqs[address] = _max_num_seqs(info)
                 except grpc.RpcError:
                     self._free_blocks.pop(address, None)
             with self._lock:
@@ -145,6 +158,13 @@ class WorkerPool:
 
     def decode_free_blocks(self) -> dict[str, int]:
         return dict(self._free_blocks)
+
+    def decode_slots(self) -> int:
+        """Sequences the healthy decode workers run at once: the sum of their max_num_seqs (a
+        worker whose GetInfo has not answered yet counts with the engine's default)."""
+        with self._lock:
+            healthy = [a for a in self.decode if a not in self.unhealthy]
+        return sum(self._max_num_seqs.get(a, DEFAULT_MAX_NUM_SEQS) for a in healthy)
 
     def prefill_layout(self) -> tuple[str, int] | None:
         """(model_id, block_size) the prefill workers hash blocks with (GetInfo, asked once);

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.pb import generate_pb2
+from services.common.pb import common_pb2, generate_pb2
 from services.engine.errors import InvalidRequestError
 from services.router.prompt import ModelInfo, prepare_request
 from tests.router.fakes import PROMPT, _request
@@ -56,14 +56,41 @@ def test_bad_prompts_name_the_field(model_info):
             prepare_request(request, model_info)
 
 
+def _ids_request(ids: list[int], max_tokens: int) -> generate_pb2.GenerateRequest:
+    return generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=ids),
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+    )
+
+
 def test_prompt_at_max_model_len_is_refused(model_info):
     short = ModelInfo.load(str(model_info.path), max_model_len=4)
-    ids = generate_pb2.TokenIds(ids=[1, 2, 3, 4])
     with pytest.raises(InvalidRequestError, match="^prompt:.*max_model_len 4"):
-        prepare_request(generate_pb2.GenerateRequest(token_ids=ids), short)
-    assert prepare_request(
-        generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[1, 2, 3])), short
-    )
+        prepare_request(_ids_request([1, 2, 3, 4], 1), short)
+    assert prepare_request(_ids_request([1, 2, 3], 1), short)
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_is_refused_up_front(model_info):
+    """vLLM's rule: prompt + max_tokens must fit max_model_len (400, never a 429 to retry)."""
+    short = ModelInfo.load(str(model_info.path), max_model_len=8)
+    with pytest.raises(InvalidRequestError, match=r"^max_tokens: prompt \(3 tokens\) \+ max"):
+        prepare_request(_ids_request([1, 2, 3], 6), short)
+    assert prepare_request(_ids_request([1, 2, 3], 5), short)
+    with pytest.raises(InvalidRequestError, match="^max_tokens: must be below max_model_len 8"):
+        prepare_request(_ids_request([1], 10**9), short)
+
+
+def test_a_text_far_too_long_is_refused_without_tokenizing(model_info, monkeypatch):
+    """15 MB of text cannot be under max_model_len tokens: refused in constant time."""
+    assert model_info.tokenizer is not None
+    monkeypatch.setattr(model_info.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    request = generate_pb2.GenerateRequest(text="x" * 15_000_000)
+    with pytest.raises(InvalidRequestError, match="^prompt: 15000000 characters are at least"):
+        prepare_request(request, model_info)
+    chat = generate_pb2.GenerateRequest()
+    chat.chat.messages.add(role="user", content="y" * 15_000_000)
+    with pytest.raises(InvalidRequestError, match="^messages: "):
+        prepare_request(chat, model_info)
 
 
 def test_text_and_chat_tokenize_like_the_tokenizer(model_info):
