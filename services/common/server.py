@@ -24,6 +24,7 @@ from services.common.metrics import start_metrics_server
 # Servers also refuse a port another process already listens on (gRPC sets SO_REUSEPORT by
 # default, which would let two clusters silently share one port and split its clients).
 SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+_Health = health_pb2.HealthCheckResponse  # its SERVING / NOT_SERVING statuses
 
 
 @dataclass
@@ -37,6 +38,13 @@ class RunningService:
     health: health.HealthServicer
     port: int  # the gRPC port bound (a free one when 0 was asked for)
     metrics_port: int  # the /metrics port bound
+    service_names: tuple[str, ...] = ()  # the registered services, whose health `set_serving` sets
+
+    def set_serving(self) -> None:
+        """Health SERVING for "" and every registered service (a worker calls it once warmed
+        up). A no-op once draining (`enter_graceful_shutdown`): it stays NOT_SERVING."""
+        for name in ("", *self.service_names):
+            self.health.set(name, _Health.SERVING)
 
     def ready_line(self, **extra) -> str:
         """`ready {json}`: what `pdserve serve` reads to learn where this service listens."""
@@ -57,11 +65,14 @@ def start_service(
     port: int,
     metrics_port: int,
     max_workers: int = 64,
+    serving: bool = True,
 ) -> RunningService:
     """Start a server with the given servicers:
     [(add_XServicer_to_server, servicer, full service name)].
 
     `max_workers` bounds concurrent RPCs (a streaming call holds a thread for its whole life).
+    `serving`: health SERVING at once; False starts it NOT_SERVING for "" and every service
+    (the server accepts calls, but routers send none) until `RunningService.set_serving()`.
 
     Raises OSError naming `port` or `metrics_port` when one cannot be bound.
     """
@@ -70,15 +81,10 @@ def start_service(
         interceptors=[ErrorInterceptor()],
         options=SERVER_OPTIONS,
     )
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
-    for add, servicer, name in register:
+    for add, servicer, _ in register:
         add(servicer, server)
-        names.append(name)
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(names, server)
+    service_names = tuple(name for _, _, name in register)
+    health_servicer = _add_health(server, service_names, serving)
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:
@@ -99,7 +105,24 @@ def start_service(
         health_servicer,
         bound,
         metrics_bound,
+        service_names,
     )
+
+
+def _add_health(
+    server: grpc.Server, service_names: tuple[str, ...], serving: bool
+) -> health.HealthServicer:
+    """The standard health service, SERVING or NOT_SERVING for "" and every service, and
+    reflection of all of them."""
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    status = _Health.SERVING if serving else _Health.NOT_SERVING
+    for name in ("", *service_names):
+        health_servicer.set(name, status)
+    reflection.enable_server_reflection(
+        [health.SERVICE_NAME, reflection.SERVICE_NAME, *service_names], server
+    )
+    return health_servicer
 
 
 def wait_for_termination(

@@ -4,6 +4,7 @@ outputs, and cache salts from the wire."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from services.engine.outputs import RequestOutput
 W = TypeVar("W", bound=WorkerConfig)
 
 _POLL_SECONDS = 0.05
+WARM_UP_TIMEOUT_S = 600.0  # a big model's first forwards on a slow CPU; the launcher waits 120 s
+logger = logging.getLogger(__name__)
 
 
 def effective_config(config: W, engine: EngineConfig, service: RunningService) -> W:
@@ -111,6 +114,21 @@ class RunningWorker:
     draining: threading.Event  # set on SIGTERM: the servicers refuse new requests
     drained: Callable[[], bool]  # nothing left that a peer still needs from this worker
     close: Callable[[], None]  # stops the engine loop and the worker's threads
+
+    def warm_up_and_serve(self) -> float:
+        """Run the engine's warm-up (`Engine.warm_up`) on the engine thread, the thread whose
+        OpenMP team and caches then serve, and only then turn health SERVING (`start_*` call it
+        before they return, so the ready line follows it). Calls that arrive meanwhile wait for
+        it on the engine thread. Returns its seconds. On failure (its exception, or TimeoutError
+        after WARM_UP_TIMEOUT_S) it stops the worker and re-raises."""
+        try:
+            seconds = self.loop.call(self.loop.engine.warm_up, timeout=WARM_UP_TIMEOUT_S)
+        except BaseException:
+            self.stop(grace=0)
+            raise
+        logger.info("%s engine warmed up in %.3f s", self.loop.role, seconds)
+        self.service.set_serving()
+        return seconds
 
     def ready_line(self) -> str:
         """`ready {json}` with role, grpc, metrics, pid and engine_id."""

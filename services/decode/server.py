@@ -147,8 +147,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
 def start_decode(config: DecodeConfig) -> RunningWorker:
     """Start the decode worker `config` describes and return once it accepts requests (what
-    `serve`, the tests and the Ray deployment call). Raises ValueError naming a bad field,
-    OSError naming the port that cannot be bound."""
+    `serve`, the tests and the Ray deployment call): its engine has warmed up and its health
+    says SERVING (NOT_SERVING until then). Raises ValueError naming a bad field, OSError naming
+    the port that cannot be bound, and what `RunningWorker.warm_up_and_serve` raises."""
     engine_config = config.engine_config()
     transfer = GrpcKVReceiver(
         engine_config.engine_id,
@@ -163,16 +164,13 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
         "decode",
         [
             (worker_pb2_grpc.add_DecodeServicer_to_server, decode, "pdserve.v1.Decode"),
-            (
-                worker_pb2_grpc.add_AdminServicer_to_server,
-                admin,
-                "pdserve.v1.Admin",
-            ),
+            (worker_pb2_grpc.add_AdminServicer_to_server, admin, "pdserve.v1.Admin"),
         ],
         config.host,
         config.port,
         config.metrics_port,
         max_workers=engine_config.max_num_seqs + 64,  # each running request holds one stream
+        serving=False,  # until the engine has warmed up
     )
     decode.config = admin.config = effective_config(config, engine.config, service)
     loop.start()
@@ -181,7 +179,9 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
         loop.stop()
         transfer.close()
 
-    return RunningWorker(service, loop, decode.draining, lambda: decode.num_streams == 0, close)
+    worker = RunningWorker(service, loop, decode.draining, lambda: decode.num_streams == 0, close)
+    worker.warm_up_and_serve()
+    return worker
 
 
 def serve(config: DecodeConfig) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import random
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 from services.engine.block_hash import BlockHash
 from services.engine.errors import ResourceExhaustedError
@@ -114,6 +115,29 @@ class BlockPool:
                     self._evictable[block_id] = None
                 else:
                     self._free.append(block_id)
+
+    @contextmanager
+    def borrow(self, num_blocks: int) -> Iterator[list[int]]:
+        """`num_blocks` free blocks (ref count 1 each) for a forward that must leave no trace
+        (the engine's warm-up): only never-cached blocks are taken, so nothing is evicted and no
+        event recorded, and on exit they go back to the front of the free list in their order,
+        so the pool hands out the same blocks next as if they had never been taken. The caller
+        must not hash or share them. Raises ResourceExhaustedError when fewer than `num_blocks`
+        blocks are on the free list; nothing is taken then."""
+        if num_blocks > len(self._free):
+            raise ResourceExhaustedError(
+                f"need {num_blocks} free KV blocks to borrow, the free list holds {len(self._free)}"
+            )
+        block_ids = [self._free.popleft() for _ in range(num_blocks)]
+        for block_id in block_ids:
+            self._ref_counts[block_id] = 1
+        try:
+            yield block_ids
+        finally:
+            for block_id in block_ids:
+                assert self._ref_counts[block_id] == 1 and self._hash_of[block_id] is None
+                self._ref_counts[block_id] = 0
+            self._free.extendleft(reversed(block_ids))
 
     # -- the prefix cache ----------------------------------------------------------------------
 

@@ -15,11 +15,7 @@ from pathlib import Path
 from services.engine.admission import RequestChecker
 from services.engine.block_hash import BlockHash
 from services.engine.config import EngineConfig, EngineRole
-from services.engine.errors import (
-    InvalidRequestError,
-    KVHandshakeError,
-    RequestNotFoundError,
-)
+from services.engine.errors import InvalidRequestError, KVHandshakeError, RequestNotFoundError
 from services.engine.kv_cache import KVCache
 from services.engine.kv_events import KVEvent
 from services.engine.kv_export import KVExport
@@ -37,6 +33,7 @@ from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.tokenizer import Tokenizer
+from services.engine.warmup import warm_up
 
 
 class Engine:
@@ -85,6 +82,11 @@ class Engine:
         self.last_step: SchedulerOutput | None = None
         self.last_forward_tokens: dict[str, int] = {}  # request_id -> tokens the last forward saw
         self._seeds = random.Random(config.seed)
+
+    def warm_up(self) -> float:
+        """One dummy prefill and one dummy decode forward, leaving no trace (`warmup.py`); returns
+        the seconds taken. Raises ResourceExhaustedError when too few blocks are free."""
+        return warm_up(self.runner, self.kv_cache, self.scheduler.max_model_len)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -147,10 +149,8 @@ class Engine:
     def _add_remote(self, request: Request, kv_handle: KVHandle) -> None:
         """DECODE role: the prefill's first token, then blocks reserved for the prompt's KV
         (ResourceExhaustedError when too many already wait for blocks)."""
-        max_model_len = self.config.max_model_len
-        assert max_model_len is not None  # resolved in __init__
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        request.append_output_token(kv_handle.first_token_id, max_model_len)
+        request.append_output_token(kv_handle.first_token_id, self.scheduler.max_model_len)
         if request.status.is_finished:  # the first token already ended it: nothing to decode
             self.kv_receiver.complete(kv_handle)
             self._finished_at_admission.append(request)

@@ -82,8 +82,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
 def start_prefill(config: PrefillConfig) -> RunningWorker:
     """Start the prefill worker `config` describes and return once it accepts requests (what
-    `serve`, the tests and the Ray deployment call). Raises ValueError naming a bad field,
-    OSError naming the port that cannot be bound."""
+    `serve`, the tests and the Ray deployment call): its engine has warmed up and its health
+    says SERVING (NOT_SERVING until then). Raises ValueError naming a bad field, OSError naming
+    the port that cannot be bound, and what `RunningWorker.warm_up_and_serve` raises."""
     sender = KVSender(config.engine.kv_lease_seconds)
     engine = Engine(config.engine_config(), kv_sender=sender)
     loop = EngineLoop(engine, "prefill")
@@ -104,15 +105,12 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
         [
             (worker_pb2_grpc.add_PrefillServicer_to_server, prefill, "pdserve.v1.Prefill"),
             (add_kv_transfer_servicer, kv, "pdserve.v1.KVTransfer"),
-            (
-                worker_pb2_grpc.add_AdminServicer_to_server,
-                admin,
-                "pdserve.v1.Admin",
-            ),
+            (worker_pb2_grpc.add_AdminServicer_to_server, admin, "pdserve.v1.Admin"),
         ],
         config.host,
         config.port,
         config.metrics_port,
+        serving=False,  # until the engine has warmed up
     )
     prefill.kv_address = service.grpc_address
     prefill.config = admin.config = effective_config(config, engine.config, service)
@@ -128,7 +126,9 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     def drained() -> bool:  # nothing running, nothing pinned for a decode worker to pull
         return loop.call(lambda: not engine.has_unfinished_requests() and not engine.pinned)
 
-    return RunningWorker(service, loop, prefill.draining, drained, close)
+    worker = RunningWorker(service, loop, prefill.draining, drained, close)
+    worker.warm_up_and_serve()
+    return worker
 
 
 def _start_publisher(

@@ -6,11 +6,12 @@ from __future__ import annotations
 import grpc
 
 from services.common.config import DecodeConfig, PrefillConfig, RouterConfig
-from services.common.pb import generate_pb2, generate_pb2_grpc
+from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2_grpc
 from services.decode.server import start_decode
 from services.engine import LLM, EngineConfig, SamplingParams
 from services.prefill.server import start_prefill
 from services.router.server import start_router
+from tests.common.test_server import SERVING, health_status
 
 
 def test_services_started_from_configs_serve_generate(tiny_llama):
@@ -44,3 +45,19 @@ def test_services_started_from_configs_serve_generate(tiny_llama):
         router.stop()
         decode.stop()
         prefill.stop()
+
+
+def test_a_started_decode_worker_is_warm_serving_and_has_computed_nothing(tiny_llama):
+    worker = start_decode(DecodeConfig(engine=EngineConfig(model=tiny_llama, num_blocks=32)))
+    try:
+        address = worker.service.grpc_address
+        names = ("", "pdserve.v1.Decode", "pdserve.v1.Admin")
+        assert [health_status(address, name) for name in names] == [SERVING] * len(names)
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.AdminStub(channel)
+            info = stub.GetInfo(common_pb2.InfoRequest(), timeout=10)
+        assert info.num_prompt_tokens_computed == info.max_step_tokens_per_request == 0
+        assert info.num_cached_blocks == info.num_running == info.num_waiting == 0
+        assert info.num_free_blocks == info.num_blocks == 32
+    finally:
+        worker.stop()

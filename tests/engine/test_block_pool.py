@@ -196,3 +196,26 @@ def test_random_prefix_cache_operations_keep_integrity(ops):
             pool.evict(n)
         pool.check_integrity()
         assert pool.num_used_blocks == len({b for blocks in held for b in blocks})
+
+
+def test_borrowed_blocks_go_back_as_if_never_taken():
+    order = BlockPool(8, shuffle=True, seed=5).allocate(8)
+    pool = BlockPool(8, shuffle=True, seed=5)
+    with pool.borrow(3) as borrowed:
+        assert borrowed == order[:3] and pool.num_free_blocks == 5
+        assert all(pool.ref_count(b) == 1 for b in borrowed)
+        pool.check_integrity()
+    assert pool.allocate(8) == order  # allocate + free would have put them at the end
+
+
+def test_borrow_takes_no_cached_block_and_records_no_event():
+    pool = BlockPool(4, record_events=True)
+    blocks, hashes = _cached_run(pool, 3)
+    events = list(pool.events or [])
+    with pytest.raises(ResourceExhaustedError, match="the free list holds 1$"):
+        with pool.borrow(2):
+            pass
+    with pool.borrow(1) as borrowed:
+        assert borrowed[0] not in blocks
+    assert pool.lookup(hashes) == blocks and pool.events == events
+    pool.check_integrity()
