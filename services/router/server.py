@@ -137,13 +137,7 @@ def start_router(config: RouterConfig) -> RunningRouter:
             service.server.stop(0)
             flow.pool.close()
             raise
-    if config.api_key is None and config.host not in LOOPBACK_HOSTS:
-        logger.warning(
-            "the router binds %s without an API key: anyone who reaches it can use it "
-            "(set --api-key or %s)",
-            config.host,
-            API_KEY_ENV,
-        )
+    warn_if_open(config)
     admin.set_config(effective_router_config(config, service, http, flow.model.max_model_len))
     return RunningRouter(service, flow, http, app)
 
@@ -161,6 +155,19 @@ def effective_router_config(
         http_port=http.port if http else None,
         max_model_len=max_model_len,
     )
+
+
+def warn_if_open(config: RouterConfig) -> bool:
+    """Logs a warning (and returns True) when the router binds beyond loopback without a key."""
+    if config.api_key is not None or config.host in LOOPBACK_HOSTS:
+        return False
+    logger.warning(
+        "the router binds %s without an API key: anyone who reaches it can use it "
+        "(set --api-key or %s)",
+        config.host,
+        API_KEY_ENV,
+    )
+    return True
 
 
 def serve(config: RouterConfig) -> None:

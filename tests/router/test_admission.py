@@ -1,0 +1,82 @@
+"""The admission gate (services/router/admission.py) and the API-key plumbing of the configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from services.common.cluster_config import ClusterConfig
+from services.common.config import RouterConfig, with_env_api_key
+from services.launcher import cluster_spec
+from services.router.admission import AdmissionGate, OverloadedError
+from services.router.server import warn_if_open
+
+
+def test_the_gate_admits_up_to_capacity_plus_queue_and_refuses_at_once():
+    capacity = [3]
+    gate = AdmissionGate(lambda: capacity[0], max_queued=2)
+    tickets = [gate.admit() for _ in range(4)]
+    with pytest.raises(OverloadedError, match="queue is full") as info:
+        gate.admit(2)  # all or nothing: 4 + 2 > 5
+    assert info.value.retry_after_s == 1
+    tickets.append(gate.admit())
+    with pytest.raises(OverloadedError):
+        gate.admit()
+    tickets[0].release()
+    tickets[0].release()  # idempotent
+    assert gate.in_flight == 4
+    capacity[0] = 10  # a decode worker joined: more room at once
+    big = gate.admit(8)
+    assert gate.in_flight == 12
+    big.release()
+    for ticket in tickets:
+        ticket.release()
+    assert gate.in_flight == 0
+
+
+def test_the_gate_never_over_admits_under_concurrency():
+    gate = AdmissionGate(lambda: 5, max_queued=5)
+    admitted, refused, lock = [], [0], threading.Lock()
+    barrier = threading.Barrier(40)
+
+    def one() -> None:
+        barrier.wait()
+        try:
+            ticket = gate.admit()
+        except OverloadedError:
+            with lock:
+                refused[0] += 1
+            return
+        with lock:
+            admitted.append(ticket)
+
+    threads = [threading.Thread(target=one) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(admitted) == 10 and refused[0] == 30 and gate.in_flight == 10
+
+
+def test_the_api_key_comes_from_the_environment_and_never_from_argv():
+    assert with_env_api_key(RouterConfig(), {"PDSERVE_API_KEY": "k"}).api_key == "k"
+    assert (
+        with_env_api_key(RouterConfig(api_key="mine"), {"PDSERVE_API_KEY": "k"}).api_key == "mine"
+    )
+    assert with_env_api_key(RouterConfig(), {}).api_key is None
+    assert "secret" not in repr(RouterConfig(api_key="secret"))
+    with pytest.raises(ValueError, match="^api_key: "):
+        RouterConfig(api_key="")
+    config = ClusterConfig(router=dataclasses.replace(ClusterConfig().router, api_key="secret"))
+    router = cluster_spec(config).router(["127.0.0.1:1"], ["127.0.0.1:2"])
+    assert not any("secret" in arg for arg in router.argv)
+    assert router.env == {"PDSERVE_API_KEY": "secret"}
+
+
+def test_binding_beyond_loopback_without_a_key_warns(caplog):
+    assert warn_if_open(RouterConfig(host="0.0.0.0"))
+    assert "without an API key" in caplog.text
+    assert not warn_if_open(RouterConfig(host="0.0.0.0", api_key="k"))
+    assert not warn_if_open(RouterConfig())
