@@ -118,6 +118,11 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --json: each token's log-probability and this many top alternatives (0..20)",
     )
+    # Penalties and logit bias: vLLM's definitions (services/engine/sampling_params.py).
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 is off")
+    parser.add_argument("--logit-bias", default="", metavar="ID:BIAS,...", help="add to logits")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
 
 
@@ -211,6 +216,10 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=tuple(parse_logit_bias(args.logit_bias)),
     )
 
 
@@ -220,6 +229,14 @@ def parse_ids(text: str) -> list[int]:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise ValueError(f"prompt-ids: expected comma-separated integers, got {text!r}") from None
+
+
+def parse_logit_bias(text: str) -> list[tuple[int, float]]:
+    """`--logit-bias 5:-100,7:2.5` -> [(5, -100.0), (7, 2.5)]; ValueError naming the flag."""
+    try:
+        return [(int(t), float(b)) for t, b in (p.split(":") for p in text.split(",") if p.strip())]
+    except ValueError:
+        raise ValueError(f"logit-bias: expected ID:BIAS,..., got {text!r}") from None
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,15 +41,27 @@ def hf_model(path: str, dtype: torch.dtype = torch.float32):
 
 
 @torch.inference_mode()
-def hf_greedy(path: str, prompt_ids: list[int], max_tokens: int) -> Reference:
-    """Greedy decoding with transformers' own forward and KV cache (no EOS stop)."""
+def hf_greedy(
+    path: str,
+    prompt_ids: list[int],
+    max_tokens: int,
+    processors: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> Reference:
+    """Greedy decoding with transformers' own forward and KV cache (no EOS stop).
+
+    `processors` (e.g. a transformers `LogitsProcessorList`) turns (input_ids [1, num_tokens]:
+    prompt + generated so far, logits [1, vocab_size]) into the logits the argmax picks from.
+    """
     model = hf_model(path)
-    tokens, gaps = [], []
+    tokens: list[int] = []
+    gaps = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
         for _ in range(max_tokens):
             logits = out.logits[0, -1].float()
+            if processors is not None:
+                logits = processors(torch.tensor([prompt_ids + tokens]), logits[None])[0]
             top2 = logits.topk(2).values
             gaps.append(float(top2[0] - top2[1]))
             tokens.append(int(logits.argmax()))

@@ -455,6 +455,28 @@ def test_generate_json(fake_router, capsys):
     assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.5, 1.0, 5)
 
 
+def test_generate_sends_penalties_and_logit_bias(fake_router, capsys):
+    url, servicer = fake_router
+    flags = [
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "-1",
+        "--repetition-penalty",
+        "1.5",
+    ]
+    argv = ["generate", "--url", url, "--prompt", "hi", *flags, "--logit-bias", "5:-100, 7:2.5"]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    sampling = servicer.requests[-1].sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
+    assert sampling.repetition_penalty == 1.5 and dict(sampling.logit_bias) == {5: -100, 7: 2.5}
+    assert cli.main(["generate", "--url", url, "--prompt", "hi"]) == 0
+    capsys.readouterr()
+    sampling = servicer.requests[-1].sampling
+    assert not sampling.HasField("presence_penalty") and not sampling.logit_bias
+
+
 def test_generate_streams_text(fake_router, capsys):
     url, servicer = fake_router
     assert cli.main(["generate", "--url", url, "--chat", "Say hello"]) == 0
@@ -495,6 +517,19 @@ def test_generate_without_a_server_fails_fast(capsys):
     [
         (["--prompt-ids", "1,x"], "prompt-ids: expected comma-separated integers"),
         (["--prompt", "hi", "--seed", "-1"], "--seed: must be in [0, 2**64)"),
+        (
+            ["--prompt", "hi", "--presence-penalty", "3"],
+            "presence_penalty: must be in [-2, 2], got 3.0",
+        ),
+        (
+            ["--prompt", "hi", "--repetition-penalty", "0"],
+            "repetition_penalty: must be a finite number > 0",
+        ),
+        (["--prompt", "hi", "--logit-bias", "5"], "logit-bias: expected ID:BIAS,..."),
+        (
+            ["--prompt", "hi", "--logit-bias", "5:101"],
+            "logit_bias: must be in [-100, 100], got 101.0",
+        ),
     ],
 )
 def test_generate_rejects_bad_input_before_sending(fake_router, capsys, argv, message):

@@ -34,21 +34,34 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_OPTIONAL_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Unset optional fields take the engine defaults; ValueError names a bad field."""
-    kwargs = {
-        name: getattr(msg, name)
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
-        if msg.HasField(name)
-    }
+    kwargs = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
     return SamplingParams(
-        **kwargs, ignore_eos=msg.ignore_eos, stop_token_ids=tuple(msg.stop_token_ids)
+        **kwargs,
+        ignore_eos=msg.ignore_eos,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        logit_bias=tuple(msg.logit_bias.items()),
     )
 
 
 def sampling_to_proto(
     params: SamplingParams, stop: list[str] | None = None
 ) -> common_pb2.SamplingParams:
+    """Penalties at their defaults and unset optionals stay unset (the defaults on arrival)."""
     msg = common_pb2.SamplingParams(
         max_tokens=params.max_tokens,
         temperature=params.temperature,
@@ -57,11 +70,18 @@ def sampling_to_proto(
         ignore_eos=params.ignore_eos,
         stop_token_ids=list(params.stop_token_ids),
         stop=stop or [],
+        logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.presence_penalty != 0:
+        msg.presence_penalty = params.presence_penalty
+    if params.frequency_penalty != 0:
+        msg.frequency_penalty = params.frequency_penalty
+    if params.repetition_penalty != 1:
+        msg.repetition_penalty = params.repetition_penalty
     return msg
 
 

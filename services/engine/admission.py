@@ -36,7 +36,8 @@ class RequestChecker:
     """Turns a prompt into token ids and checks a request against the engine's role, config,
     vocabulary and KV cache size.
 
-    Raises InvalidRequestError (bad prompt, ids, params, salt or KV handle) and
+    Raises InvalidRequestError (bad prompt, ids, stop token or logit_bias ids outside the
+    vocabulary, params, salt or KV handle) and
     ResourceExhaustedError (the request could never fit in `num_blocks` KV blocks).
     """
 
@@ -83,6 +84,7 @@ class RequestChecker:
             )
         check_token_ids(prompt_ids, self.vocab_size, "prompt_token_ids")
         check_token_ids(list(params.stop_token_ids), self.vocab_size, "stop_token_ids")
+        check_token_ids([t for t, _ in params.logit_bias], self.vocab_size, "logit_bias")
         role = self.config.role
         if role == EngineRole.DECODE and kv_handle is None:
             raise InvalidRequestError("kv_handle", "a DECODE engine needs the prompt's KV handle")

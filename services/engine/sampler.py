@@ -1,4 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Token sampling: logit bias and penalties, then greedy or temperature, top-k, top-p, with
+per-request seeds.
+
+The order is vLLM v1's (vllm/v1/sample/sampler.py): logit bias, then the repetition, frequency
+and presence penalties (`penalties.py`), for greedy rows too; then temperature, top-k and top-p.
+Log-probabilities stay those of the model's raw logits (vLLM's default `raw_logprobs` mode).
+A row's token depends only on its own logits, params and token history; rows without a bias or
+penalty skip that stage entirely (plain greedy rows are one batched argmax).
 
 Each sampled (non-greedy) request draws from its own generator seeded by (request seed, output
 index), so its tokens depend neither on its batch neighbours nor on which worker (prefill or
@@ -7,11 +14,13 @@ decode) sampled which token, nor on preemption and recomputation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from services.engine.outputs import TokenLogprobs
+from services.engine.penalties import apply_penalties
 from services.engine.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over 63 bits
@@ -19,23 +28,36 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) ov
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """What the sampler needs to know about one row of logits."""
+    """What the sampler needs to know about one row of logits.
+
+    The token histories are the request's own lists (references, not copies): read during this
+    step only, before the sampled token is appended.
+    """
 
     params: SamplingParams
     seed: int
     output_index: int  # index of the token being sampled among the request's outputs
+    prompt_token_ids: Sequence[int] = ()  # for the repetition penalty
+    output_token_ids: Sequence[int] = ()  # the outputs so far: len == output_index
 
 
 def sample(
     logits: torch.Tensor, rows: list[SamplingRow]
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: float32 [num_rows, vocab_size] -> (one token id per row, its log-probabilities
-    for rows whose params ask for them, else None)."""
+    under the raw logits for rows whose params ask for them, else None)."""
     assert logits.shape[0] == len(rows)
-    tokens = logits.argmax(dim=-1).tolist()  # greedy for every row; sampled rows overwrite
+    tokens = logits.argmax(dim=-1).tolist()  # greedy for every plain row; the others overwrite
     for i, row in enumerate(rows):
-        if not row.params.greedy:
-            tokens[i] = _sample_row(logits[i], row)
+        params = row.params
+        if not params.adjusts_logits and params.greedy:
+            continue
+        row_logits = logits[i]  # [vocab_size]
+        if params.adjusts_logits:
+            row_logits = apply_penalties(
+                row_logits, params, row.prompt_token_ids, row.output_token_ids
+            )
+        tokens[i] = int(row_logits.argmax()) if params.greedy else _sample_row(row_logits, row)
     return tokens, _logprobs(logits, rows, tokens)
 
 

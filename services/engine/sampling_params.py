@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by a
 # vanishing temperature would overflow to inf.
 GREEDY_TEMPERATURE = 1e-5
 # Most top alternatives a request may ask for per token (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
+# Ranges of OpenAI's API, which vLLM's SamplingParams checks too.
+MAX_ABS_PENALTY = 2.0  # presence_penalty, frequency_penalty
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 def _is_int(value: object) -> bool:
@@ -45,8 +50,24 @@ class SamplingParams:
     """Extra token ids that end the request (finish_reason "stop")."""
     logprobs: int | None = None
     """Return each sampled token's log-probability and this many top alternatives (0..20);
-    None returns none. Log-probabilities are of the model's raw distribution (before
-    temperature, top-k and top-p), as vLLM reports them by default."""
+    None returns none. Log-probabilities are of the model's raw distribution (before logit
+    bias, penalties, temperature, top-k and top-p), as vLLM reports them by default."""
+    presence_penalty: float = 0.0
+    """In [-2, 2]: subtracted once from the logit of every token that occurs in the output so
+    far (OpenAI's definition, as vLLM's `apply_penalties`); > 0 favours new tokens."""
+    frequency_penalty: float = 0.0
+    """In [-2, 2]: subtracted from each token's logit once per occurrence of the token in the
+    output so far (OpenAI's definition, as vLLM's `apply_penalties`)."""
+    repetition_penalty: float = 1.0
+    """Finite and > 0 (the rule of vLLM's vllm/sampling_params.py; 1 disables): the logit of
+    every token that occurs in the prompt or the output so far is divided by it when positive
+    and multiplied by it otherwise (Keskar et al. 2019, CTRL; vLLM's `apply_penalties`,
+    transformers' `RepetitionPenaltyLogitsProcessor`); > 1 discourages repeats."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """Added to the raw logits of the given token ids before any penalty (vLLM's
+    `LogitBiasLogitsProcessor`); biases in [-100, 100] (OpenAI's range: vLLM clamps to it, this
+    refuses values outside). Pass a dict {token_id: bias} or (token_id, bias) pairs; stored as
+    pairs sorted by token id, so the params stay frozen and hashable."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -72,7 +93,51 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids: must be non-negative integers, got {self.stop_token_ids!r}"
             )
+        self._check_penalties()
+        object.__setattr__(self, "logit_bias", _frozen_logit_bias(self.logit_bias))
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise ValueError(f"{name}: must be in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty: must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a logit bias or any penalty is set (else the sampler skips that stage)."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+
+def _frozen_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """A dict or iterable of (token_id, bias) pairs -> pairs sorted by token id; ValueError
+    naming `logit_bias` for anything else, a repeated id, a negative id or a bias out of range."""
+    items: Any = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [(token_id, bias) for token_id, bias in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias: must map token ids to biases, got {value!r:.80}") from None
+    for token_id, bias in pairs:
+        if not _is_int(token_id) or token_id < 0:
+            raise ValueError(
+                f"logit_bias: token ids must be non-negative integers, got {token_id!r}"
+            )
+        if not _is_real(bias) or not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias: must be in [-100, 100], got {bias!r} for token {token_id}"
+            )
+    if len({token_id for token_id, _ in pairs}) != len(pairs):
+        raise ValueError("logit_bias: a token id appears twice")
+    return tuple(sorted((int(t), float(b)) for t, b in pairs))

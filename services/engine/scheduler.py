@@ -177,7 +177,13 @@ class Scheduler:
         end = start + num_new
         sample = None
         if end == request.num_tokens:
-            sample = SamplingRow(request.sampling_params, request.seed, request.num_output_tokens)
+            sample = SamplingRow(
+                request.sampling_params,
+                request.seed,
+                request.num_output_tokens,
+                request.prompt_token_ids,
+                request.output_token_ids,
+            )
         return ScheduledRequest(
             request.request_id,
             request.all_token_ids[start:end],
