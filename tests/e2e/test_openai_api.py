@@ -263,3 +263,58 @@ def test_stalled_clients_are_closed_and_cost_no_thread(cluster):
     assert _threads(router_pid) <= idle
     text = json.dumps({"prompt": PROMPT, "max_tokens": 2})
     assert client.completions.create(model=model, **json.loads(text)).choices[0].text
+
+
+PENALTY_CASES = {
+    "repetition": dict(repetition_penalty=1.8),
+    "presence": dict(presence_penalty=2.0),
+    "frequency": dict(frequency_penalty=1.5),
+    "logit_bias": None,  # filled in from the plain answer
+    "combined": dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5),
+}
+
+
+@pytest.mark.parametrize("case", list(PENALTY_CASES))
+def test_penalties_and_logit_bias_over_http_match_the_reference(
+    cluster, default_model, real_text_ids, case
+):
+    """Each penalty and logit_bias through the OpenAI API changes the greedy answer exactly as
+    transformers' logits with reference processors (in vLLM's order) do; the gRPC API gives
+    the token ids, the HTTP API the same text."""
+    from services.engine import SamplingParams
+    from tests.engine.test_penalties_reference import _reference_processors
+    from tests.reference import assert_equivalent, hf_greedy
+
+    prompt, max_tokens = real_text_ids[5000:5040], 16
+    plain = hf_greedy(default_model, prompt, max_tokens)
+    kwargs = PENALTY_CASES[case] or {"logit_bias": {plain.token_ids[0]: -100.0}}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
+    ref = hf_greedy(default_model, prompt, max_tokens, _reference_processors(params, len(prompt)))
+    assert ref.token_ids != plain.token_ids  # the case does change the answer
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for name, value in kwargs.items():
+        if name == "logit_bias":
+            sampling.logit_bias.update(value)
+        else:
+            setattr(sampling, name, value)
+    stub = generation_stub(cluster.ready["router"])
+    request = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt), sampling=sampling
+    )
+    ids, text = [], ""
+    for msg in stub.Generate(request, timeout=60, metadata=(("authorization", f"Bearer {KEY}"),)):
+        ids += list(msg.token_ids)
+        text += msg.text
+    assert_equivalent(ids, ref, case)
+    body = {
+        k: ({str(t): b for t, b in v.items()} if k == "logit_bias" else v)
+        for k, v in kwargs.items()
+    }
+    reply = _client(cluster).completions.create(
+        model=_model(cluster),
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True, **body},
+    )
+    assert reply.choices[0].text == text
