@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
+import grpc
 import pytest
 
 from services.common.cluster_config import ClusterConfig
 from services.common.config import RouterConfig, with_env_api_key
 from services.launcher import cluster_spec
 from services.router.admission import AdmissionGate, OverloadedError
+from services.common.pb import generate_pb2
 from services.router.server import warn_if_open
+from tests.router.fakes import PROMPT, _completion_ids, _post, _script, _wait_until
 
 
 def test_the_gate_admits_up_to_capacity_plus_queue_and_refuses_at_once():
@@ -80,3 +84,25 @@ def test_binding_beyond_loopback_without_a_key_warns(caplog):
     assert "without an API key" in caplog.text
     assert not warn_if_open(RouterConfig(host="0.0.0.0", api_key="k"))
     assert not warn_if_open(RouterConfig())
+
+
+def test_a_full_router_refuses_grpc_and_http_at_once(cluster, tokenizer, stub, monkeypatch):
+    """One sequence may be in flight: a second gets RESOURCE_EXHAUSTED (retry-after in the
+    trailing metadata) / 429 with Retry-After, without waiting for the first."""
+    router = cluster[0]
+    monkeypatch.setattr(router.flow.admission, "_capacity", lambda: 1)
+    monkeypatch.setattr(router.flow.admission, "max_queued", 0)
+    ids = _completion_ids(tokenizer)
+    _script(cluster, ids, endless_token=ids[1])
+    running = stub.Generate(generate_pb2.GenerateRequest(text=PROMPT), timeout=30)
+    next(running)
+    assert _wait_until(lambda: router.flow.admission.in_flight == 1)
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(generate_pb2.GenerateRequest(text=PROMPT), timeout=30))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert ("retry-after", "1") in tuple(info.value.trailing_metadata())
+    status, _ = _post(router.http.url + "/v1/completions", {"prompt": PROMPT})
+    assert status == 429 and time.monotonic() - start < 2.0
+    running.cancel()
+    assert _wait_until(lambda: router.flow.admission.in_flight == 0)
