@@ -11,9 +11,9 @@ import pytest
 
 from services.common.cluster_config import ClusterConfig
 from services.common.config import RouterConfig, with_env_api_key
+from services.common.pb import generate_pb2
 from services.launcher import cluster_spec
 from services.router.admission import AdmissionGate, OverloadedError
-from services.common.pb import generate_pb2
 from services.router.server import warn_if_open
 from tests.router.fakes import PROMPT, _completion_ids, _post, _script, _wait_until
 
