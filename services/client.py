@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
-from services.cli import parse_ids, sampling_params
+from services.cli_sampling import parse_ids, sampling_params
 from services.common.channels import check_address
+from services.common.config import API_KEY_ENV
 from services.common.convert import sampling_to_proto
 from services.common.pb import (
     generate_pb2,
@@ -81,14 +83,18 @@ def stream_generate(
     request: generate_pb2.GenerateRequest,
     timeout: float,
     on_text: Callable[[str], None] | None = None,
+    api_key: str | None = None,
 ) -> GenerateResult:
     """Send `request` to the router at HOST:PORT, calling `on_text` with each text delta.
 
-    `timeout` is the gRPC deadline in seconds. Raises grpc.RpcError on a failed call.
+    `timeout` is the gRPC deadline in seconds; `api_key` goes as `authorization: Bearer KEY`
+    metadata (a router started with --api-key wants it). Raises grpc.RpcError on a failed call.
     """
     result = GenerateResult()
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     with grpc.insecure_channel(url) as channel:
-        for msg in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout):
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        for msg in stub.Generate(request, timeout=timeout, metadata=metadata):
             result.token_ids.extend(msg.token_ids)
             result.text += msg.text
             result.logprobs += [
@@ -124,8 +130,9 @@ def main(args: argparse.Namespace) -> int:
         print(text, end="", flush=True)
 
     try:
+        api_key = args.api_key or os.environ.get(API_KEY_ENV)
         result = stream_generate(
-            args.url, request, args.timeout, None if args.json else print_delta
+            args.url, request, args.timeout, None if args.json else print_delta, api_key
         )
     except grpc.RpcError as exc:
         if streamed:

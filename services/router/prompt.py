@@ -104,6 +104,7 @@ def prepare_request(request: generate_pb2.GenerateRequest, model: ModelInfo) -> 
     if stop and model.tokenizer is None:
         raise InvalidRequestError("stop", "this model has no tokenizer, so no text to match")
     check_token_ids(list(params.stop_token_ids), model.vocab_size, "stop_token_ids")
+    check_token_ids([t for t, _ in params.logit_bias], model.vocab_size, "logit_bias")
     check_cache_salt(request.cache_salt or None)  # proto3: empty means no salt
     prompt_ids = tokenize_prompt(request, model)
     if not prompt_ids:

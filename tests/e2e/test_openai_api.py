@@ -7,7 +7,10 @@ environment."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +75,13 @@ def test_the_key_never_appears_on_a_command_line(cluster):
             assert KEY.encode() not in f.read()
     with pytest.raises(openai.AuthenticationError):
         _client(cluster, "wrong").models.list()
+    argv = [sys.executable, "-m", "services.cli", "generate", "--url", cluster.ready["router"]]
+    argv += ["--prompt", PROMPT, "--max-tokens", "2"]
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+    refused = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+    served = subprocess.run([*argv, "--api-key", KEY], capture_output=True, text=True, timeout=60)
+    assert served.returncode == 0 and served.stdout.strip()
 
 
 def test_completion_and_chat_match_the_grpc_api(cluster):
