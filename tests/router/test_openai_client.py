@@ -38,22 +38,32 @@ def _raw(router, method: str, path: str, body: bytes | None = None, headers=None
     return reply.status, reply.headers, data
 
 
+def _second_router(cluster, model_info, **config):
+    """Another router (HTTP on a free port) in front of the fake workers of `cluster`."""
+    pool = cluster[0].flow.pool
+    return start_router(
+        RouterConfig(
+            model=str(model_info.path),
+            port=0,
+            http_port=0,
+            prefill=tuple(pool.prefill),
+            decode=tuple(pool.decode),
+            request_timeout=30.0,
+            **config,
+        )
+    )
+
+
 @pytest.fixture(scope="module")
 def strict(cluster, model_info):
     """A second router in front of the same fake workers, with an API key, a 1 s read timeout,
     a 64 KiB body limit and a short shutdown grace."""
-    base = cluster[0].flow.pool
-    config = RouterConfig(
-        model=str(model_info.path),
-        port=0,
-        http_port=0,
-        prefill=tuple(base.prefill),
-        decode=tuple(base.decode),
-        request_timeout=30.0,
+    router = _second_router(
+        cluster,
+        model_info,
         api_key=KEY,
         http=HttpConfig(max_body_bytes=65536, read_timeout=1.0, shutdown_timeout=1.0),
     )
-    router = start_router(config)
     yield router
     router.stop(0)
 
@@ -319,16 +329,7 @@ def test_graceful_shutdown_lets_a_running_stream_finish(cluster, model_info, tok
     """close() stops accepting at once but a running stream keeps its tokens coming until the
     shutdown grace (1 s here) is over."""
     ids = _completion_ids(tokenizer)
-    base = cluster[0].flow.pool
-    config = RouterConfig(
-        model=str(model_info.path),
-        port=0,
-        http_port=0,
-        prefill=tuple(base.prefill),
-        decode=tuple(base.decode),
-        http=HttpConfig(shutdown_timeout=1.0),
-    )
-    router = start_router(config)
+    router = _second_router(cluster, model_info, http=HttpConfig(shutdown_timeout=1.0))
     _script(cluster, ids, endless_token=ids[1])
     stream = _client(router).completions.create(
         model=str(model_info.path), prompt=PROMPT, max_tokens=5000, stream=True
