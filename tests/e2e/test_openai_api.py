@@ -109,33 +109,41 @@ def test_completion_and_chat_match_the_grpc_api(cluster):
     assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
 
 
-def test_n_greedy_copies_equal_the_grpc_answer_and_share_the_prompt_blocks(cluster):
-    """n=3 at temperature 0: three equal answers equal to the gRPC API's; the prompt is
-    computed once plus two tails, not three times, and its full blocks are pulled once."""
-    client, model = _client(cluster), _model(cluster)
-    prompt = PROMPT + " " + "and so on, " * 20  # several full 16-token blocks
-    prefill = worker_info(_service(cluster, "prefill")["grpc"], "prefill")
-    decode_metrics = _service(cluster, "decode")["metrics"]
-    pulled = scrape(decode_metrics, "pdserve_kv_transfer_bytes_total", "decode")
+def _prompt_cost(cluster, prompt: str, n: int) -> tuple[list[str], int, int, float]:
+    """(texts, prompt tokens, prompt tokens the prefill worker computed, KV bytes the decode
+    worker pulled) of one greedy request with `n` choices."""
+    client = _client(cluster)
+    prefill, metrics = _service(cluster, "prefill")["grpc"], _service(cluster, "decode")["metrics"]
+    computed = worker_info(prefill, "prefill").num_prompt_tokens_computed
+    pulled = scrape(metrics, "pdserve_kv_transfer_bytes_total", "decode")
     reply = client.completions.create(
-        model=model,
+        model=_model(cluster),
         prompt=prompt,
-        n=3,
+        n=n,
         max_tokens=8,
         temperature=0,
         extra_body={"ignore_eos": True},
     )
-    texts = [c.text for c in reply.choices]
-    single = client.completions.create(
-        model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    computed = worker_info(prefill, "prefill").num_prompt_tokens_computed - computed
+    pulled = scrape(metrics, "pdserve_kv_transfer_bytes_total", "decode") - pulled
+    return [c.text for c in reply.choices], reply.usage.prompt_tokens, computed, pulled
+
+
+def test_n_greedy_copies_equal_the_grpc_answer_and_share_the_prompt_blocks(cluster):
+    """n=3 at temperature 0: three equal answers, equal to n=1's; the prompt is computed once
+    plus two tails (< one 16-token block each), and its full blocks are pulled once."""
+    filler = " " + "and so on, " * 20  # several full 16-token blocks
+    one, num_one, computed_one, pulled_one = _prompt_cost(cluster, "Spain:" + filler, 1)
+    three, num, computed, pulled = _prompt_cost(cluster, "France:" + filler, 3)
+    print(
+        f"n=1: {num_one} prompt tokens, {computed_one} computed, {pulled_one:.0f} bytes pulled; "
+        f"n=3: {num} prompt tokens, {computed} computed, {pulled:.0f} bytes pulled"
     )
-    assert texts == [single.choices[0].text] * 3
-    num_prompt = reply.usage.prompt_tokens
-    after = worker_info(_service(cluster, "prefill")["grpc"], "prefill")
-    computed = after.num_prompt_tokens_computed - prefill.num_prompt_tokens_computed
-    assert computed < 2 * num_prompt, (computed, num_prompt)  # 3 requests: 1 full + 2 tails + 1 hit
-    pulled = scrape(decode_metrics, "pdserve_kv_transfer_bytes_total", "decode") - pulled
-    assert pulled > 0
+    assert computed_one == num_one and len(three) == 3 and len(set(three)) == 1
+    assert three[0] == _prompt_cost(cluster, "France:" + filler, 1)[0][0]
+    assert computed <= num + 2 * 16, (computed, num)
+    per_token = pulled_one / num_one
+    assert pulled <= (num + 2 * 16) * per_token * 1.01, (pulled, num, per_token)
 
 
 def test_n_seeded_samples_are_reproducible_and_differ(cluster):
