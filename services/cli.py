@@ -88,7 +88,16 @@ def _parser() -> argparse.ArgumentParser:
     reset.add_argument(
         "--timeout", type=float, default=30.0, help="deadline in seconds (default: %(default)s)"
     )
+    _add_api_key(reset)
     return parser
+
+
+def _add_api_key(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="the router's API key (default: $PDSERVE_API_KEY), sent as a bearer token",
+    )
 
 
 def _add_run(run: argparse.ArgumentParser) -> None:
@@ -126,11 +135,7 @@ def _add_generate(generate: argparse.ArgumentParser) -> None:
     generate.add_argument(
         "--timeout", type=float, default=300.0, help="request deadline in seconds (default: 300)"
     )
-    generate.add_argument(
-        "--api-key",
-        default=None,
-        help="the router's API key (default: $PDSERVE_API_KEY), sent as a bearer token",
-    )
+    _add_api_key(generate)
 
 
 def _run(args: argparse.Namespace) -> int:

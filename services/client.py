@@ -78,6 +78,11 @@ def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
     return request
 
 
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """`authorization: Bearer KEY` call metadata (None without a key)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
 def stream_generate(
     url: str,
     request: generate_pb2.GenerateRequest,
@@ -91,7 +96,7 @@ def stream_generate(
     metadata (a router started with --api-key wants it). Raises grpc.RpcError on a failed call.
     """
     result = GenerateResult()
-    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    metadata = _auth_metadata(api_key)
     with grpc.insecure_channel(url) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         for msg in stub.Generate(request, timeout=timeout, metadata=metadata):
@@ -153,7 +158,9 @@ def reset_prefix_cache(args: argparse.Namespace) -> int:
     try:
         with grpc.insecure_channel(args.url) as channel:
             reply = worker_pb2_grpc.AdminStub(channel).ResetPrefixCache(
-                worker_pb2.ResetPrefixCacheRequest(), timeout=args.timeout
+                worker_pb2.ResetPrefixCacheRequest(),
+                timeout=args.timeout,
+                metadata=_auth_metadata(args.api_key or os.environ.get(API_KEY_ENV)),
             )
     except grpc.RpcError as exc:
         print(f"pdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)

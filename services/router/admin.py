@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 
 from services.common.config import RouterConfig
 from services.common.config_json import to_json
 from services.common.errors import ServiceUnavailableError
 from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from services.router.api_key import REDACTED, check_metadata
 from services.router.prompt import ModelInfo
 from services.router.workers import WorkerPool
 
@@ -18,26 +21,31 @@ class RouterAdminServicer(worker_pb2_grpc.AdminServicer):
     """`GetInfo`: the router's role, model and config. `ResetPrefixCache`: fanned out to every
     prefill and decode worker, their replies summed; raises ServiceUnavailableError
     (-> UNAVAILABLE) naming the workers that did not answer (the others are reset all the same).
+    With an API key, both want it (UnauthenticatedError otherwise), as Generate does.
     """
 
     def __init__(self, pool: WorkerPool, config: RouterConfig, model: ModelInfo) -> None:
         self.pool = pool
+        self._key = config.api_key.encode() if config.api_key else None
         self.info = common_pb2.WorkerInfo(
             role="router",
             model=config.model,
             max_model_len=model.max_model_len,
             vocab_size=model.vocab_size,
-            config_json=to_json(config),
         )
+        self.set_config(config)
 
     def set_config(self, config: RouterConfig) -> None:
-        """The effective config (bound ports), reported by GetInfo."""
-        self.info.config_json = to_json(config)
+        """The effective config (bound ports), reported by GetInfo (its API key redacted)."""
+        redacted = REDACTED if config.api_key else None
+        self.info.config_json = to_json(dataclasses.replace(config, api_key=redacted))
 
     def GetInfo(self, request, context):  # noqa: N802 - gRPC method name
+        check_metadata(context.invocation_metadata(), self._key)
         return self.info
 
     def ResetPrefixCache(self, request, context):  # noqa: N802 - gRPC method name
+        check_metadata(context.invocation_metadata(), self._key)
         timeout = min(ADMIN_TIMEOUT_S, context.time_remaining() or ADMIN_TIMEOUT_S)
         futures = {
             address: worker_pb2_grpc.AdminStub(self.pool.channel(address)).ResetPrefixCache.future(

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 
 from services.common import metrics
-from services.engine.errors import ResourceExhaustedError
+from services.engine.errors import InvalidRequestError, ResourceExhaustedError
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait (the Retry-After header), seconds
 
@@ -41,8 +41,14 @@ class Ticket:
 class AdmissionGate:
     """Counts sequences in flight against `capacity() + max_queued` (thread-safe)."""
 
-    def __init__(self, capacity: Callable[[], int], max_queued: int) -> None:
+    def __init__(
+        self,
+        capacity: Callable[[], int],
+        max_queued: int,
+        ceiling: Callable[[], int] | None = None,
+    ) -> None:
         self._capacity = capacity
+        self._ceiling = ceiling or capacity  # the capacity with every worker healthy
         self.max_queued = max_queued
         self._lock = threading.Lock()
         self.in_flight = 0
@@ -53,8 +59,16 @@ class AdmissionGate:
         return self._capacity() + self.max_queued
 
     def admit(self, units: int = 1) -> Ticket:
-        """A ticket for `units` sequences; OverloadedError when they would go over the limit
-        (a request larger than the limit itself is refused too: it could never be admitted)."""
+        """A ticket for `units` sequences; OverloadedError when they would go over the limit.
+        InvalidRequestError naming `n` for more units than the limit could ever be with every
+        decode worker healthy: retrying would never help, so that is not a 429."""
+        never = self._ceiling() + self.max_queued
+        if units > never:
+            raise InvalidRequestError(
+                "n",
+                f"{units} sequences (prompts x n) can never be admitted: the router holds at "
+                f"most {never} at once",
+            )
         limit = self.limit
         with self._lock:
             if self.in_flight + units > limit:

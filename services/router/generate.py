@@ -56,7 +56,9 @@ class GenerateFlow:
         self.pool = pool
         self.request_timeout = request_timeout
         self.routing = routing if routing is not None else Routing(pool, "round_robin")
-        self.admission = AdmissionGate(pool.decode_slots, max_queued_requests)
+        self.admission = AdmissionGate(
+            pool.decode_slots, max_queued_requests, lambda: pool.decode_slots(healthy_only=False)
+        )
 
     def deadline_for(self, time_remaining: float | None) -> float:
         """Absolute `time.monotonic()` deadline for a client with `time_remaining` seconds left

@@ -18,9 +18,10 @@ A client that disconnects has its sequences cancelled, so workers free their blo
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -36,12 +37,14 @@ from services.common.errors import UnauthenticatedError
 from services.engine.errors import InvalidRequestError
 from services.router import openai_protocol as oai
 from services.router import openai_responses as bodies
+from services.router.api_key import bearer_matches
 from services.router.cancel import CancelScope
 from services.router.flow_threads import FlowThreads
 from services.router.generate import GenerateFlow
 from services.router.http_errors import (
     BodyTooLargeError,
     ModelNotFoundError,
+    ShuttingDownError,
     error_response,
 )
 from services.router.openai_render import ChoiceEnd, ChoiceRenderer, sse_body
@@ -50,6 +53,7 @@ from services.router.siblings import Siblings
 logger = logging.getLogger(__name__)
 
 MAX_FLOW_THREADS = 1024  # sequences whose flows run at once (admission bounds them first)
+SHUTDOWN_MARGIN_S = 0.5  # before the shutdown grace ends: time to send the 503s
 
 
 class OpenAIApp:
@@ -62,6 +66,8 @@ class OpenAIApp:
         self.max_n = config.max_n
         self._key = config.api_key.encode() if config.api_key else None
         self.threads = FlowThreads(MAX_FLOW_THREADS)
+        self.stopping = False
+        self._active: set[_Ending] = set()  # requests in flight (cut at shutdown)
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -89,9 +95,7 @@ class OpenAIApp:
         """A bearer token equal to the key (compared in constant time), or no key set."""
         if self._key is None:
             return True
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        return bearer_matches(dict(scope["headers"]).get(b"authorization", b""), self._key)
 
     async def _http_exception(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -144,16 +148,30 @@ class OpenAIApp:
             return Response(status_code=499)  # nobody reads it
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an error body
             return error_response(exc)
-        scopes = [CancelScope() for _ in range(parsed.num_choices)]
-        watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, scopes))
+        end = _Ending([CancelScope() for _ in range(parsed.num_choices)], ticket.release)
+        self._active.add(end)
+        end.watcher = asyncio.create_task(self._end_on_disconnect(request.receive, end))
         try:
             if parsed.stream:
-                return await self._stream(parsed, scopes, watcher, ticket.release)
-            return await self._complete(parsed, scopes)
+                return await self._stream(parsed, end)
+            return await self._complete(parsed, end)
+        except BaseException:  # cancelled (shutdown past its grace): stop the flows
+            end()
+            raise
         finally:
             if not parsed.stream:
-                watcher.cancel()
-                ticket.release()
+                end()
+
+    async def _end_on_disconnect(self, receive: Receive, end: _Ending) -> None:
+        """Ends the request when its client disconnects, or once its response is complete
+        (after the body, `receive` brings only `http.disconnect`, and brings it then too). This
+        also covers a response whose body was never iterated because the client was gone."""
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        finally:
+            end()
+            self._active.discard(end)
 
     def _renderers(self, parsed: oai.OpenAIRequest) -> list[ChoiceRenderer]:
         tokenizer = self.flow.model.tokenizer
@@ -183,43 +201,30 @@ class OpenAIApp:
             )
         ]
 
-    async def _complete(self, parsed: oai.OpenAIRequest, scopes: list[CancelScope]) -> Response:
+    async def _complete(self, parsed: oai.OpenAIRequest, end: _Ending) -> Response:
         renderers = self._renderers(parsed)
         sources = [
             _rendered_whole(r, flow)
-            for r, flow in zip(renderers, self._flows(parsed, scopes), strict=True)
+            for r, flow in zip(renderers, self._flows(parsed, end.scopes), strict=True)
         ]
         try:
             results = await self.threads.run(sources)
         except Exception as exc:  # noqa: BLE001
-            for scope in scopes:
-                scope.cancel()
-            return error_response(exc)
+            end()
+            return error_response(ShuttingDownError() if self.stopping else exc)
         choices = [r[0][0] for r in results]
         usages = [r[0][1] for r in results]
         return JSONResponse(bodies.response_body(parsed, self.model_name, choices, usages))
 
-    async def _stream(
-        self,
-        parsed: oai.OpenAIRequest,
-        scopes: list[CancelScope],
-        watcher: asyncio.Task,
-        release: Any,
-    ) -> Response:
+    async def _stream(self, parsed: oai.OpenAIRequest, end: _Ending) -> Response:
         renderers = self._renderers(parsed)
         sources = [
-            r.chunks(flow) for r, flow in zip(renderers, self._flows(parsed, scopes), strict=True)
+            r.chunks(flow)
+            for r, flow in zip(renderers, self._flows(parsed, end.scopes), strict=True)
         ]
         events = self.threads.merged(sources)
         started: set[int] = set()
         head: list[tuple[int, bytes | ChoiceEnd]] = []
-
-        def end() -> None:
-            for scope in scopes:
-                scope.cancel()
-            watcher.cancel()
-            release()
-
         try:
             while len(started) < len(sources):  # every choice's first chunk, before the 200
                 index, item = await events.__anext__()
@@ -227,8 +232,8 @@ class OpenAIApp:
                 head.append((index, item))
         except Exception as exc:  # noqa: BLE001
             end()
-            return error_response(exc)
-        body = sse_body(parsed, self.model_name, head, events, end)
+            return error_response(ShuttingDownError() if self.stopping else exc)
+        body = sse_body(parsed, self.model_name, head, events, end, lambda: self.stopping)
         return StreamingResponse(
             body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
@@ -251,20 +256,41 @@ class OpenAIApp:
             return json.loads(b"".join(chunks))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InvalidRequestError("body", f"invalid JSON ({exc})") from None
+        except RecursionError:
+            raise InvalidRequestError("body", "JSON nested too deeply") from None
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """The server stops accepting: running requests get `grace_s` seconds (less a margin
+        to answer), then their flows are cut and each ends with a 503 "shutting down" (in-band
+        for a stream, then `[DONE]`) instead of a dropped connection."""
+        self.stopping = True
+        timer = threading.Timer(max(grace_s - SHUTDOWN_MARGIN_S, 0.0), self._cut_all)
+        timer.daemon = True
+        timer.start()
+
+    def _cut_all(self) -> None:
+        for end in list(self._active):
+            end()
 
     def close(self) -> None:
-        """Waits for the flow threads (after the server stopped and cancelled its requests)."""
+        """Cuts whatever still runs and waits for the flow threads (after the server stopped)."""
+        self._cut_all()
         self.threads.close()
+
+
+class _Ending:
+    """Ends one HTTP request's flows (idempotent, any thread): cancels every choice's scope
+    and gives its admission units back."""
+
+    def __init__(self, scopes: list[CancelScope], release: Callable[[], None]) -> None:
+        self.scopes, self._release = scopes, release
+        self.watcher: asyncio.Task | None = None  # holds the disconnect watcher alive
+
+    def __call__(self) -> None:
+        for scope in self.scopes:
+            scope.cancel()
+        self._release()
 
 
 def _rendered_whole(renderer: ChoiceRenderer, flow: Any) -> Any:
     yield renderer.complete(list(flow))
-
-
-async def _cancel_on_disconnect(receive: Receive, scopes: list[CancelScope]) -> None:
-    """Cancels every scope when the client disconnects (after the body, the only message
-    `receive` can bring is `http.disconnect`)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    for scope in scopes:
-        scope.cancel()

@@ -13,7 +13,7 @@ import re
 import grpc
 from starlette.responses import JSONResponse
 
-from services.common.errors import status_for
+from services.common.errors import ServiceUnavailableError, status_for
 from services.engine.errors import InvalidRequestError
 from services.router import openai_responses as bodies
 
@@ -29,6 +29,8 @@ _HTTP_STATUS = {
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
 }
 _PARAM = re.compile(r"[\w.\[\]]+(?=: )")
+_HTTP_NAMES = {"prompt_token_ids": "prompt", "chat.messages": "messages", "chat": "messages"}
+_GRPC_FIELD = re.compile(r"^(prompt_token_ids|chat\.messages|chat)(?=$|[.\[])")
 
 
 class ModelNotFoundError(LookupError):
@@ -42,6 +44,13 @@ class BodyTooLargeError(InvalidRequestError):
         super().__init__("body", message)
 
 
+class ShuttingDownError(ServiceUnavailableError):
+    """The router is shutting down and its grace for running requests is over (-> 503)."""
+
+    def __init__(self) -> None:
+        super().__init__("the router is shutting down; retry on another one")
+
+
 def http_error(exc: BaseException) -> tuple[int, dict]:
     """(HTTP status, OpenAI error body) for an exception from the request flow."""
     if isinstance(exc, ModelNotFoundError):
@@ -52,8 +61,14 @@ def http_error(exc: BaseException) -> tuple[int, dict]:
     status, kind = _HTTP_STATUS.get(code, (500, "server_error"))
     if status == 500:
         logger.error("internal error serving HTTP request", exc_info=exc)
-    param = _PARAM.match(details or "") if status == 400 else None
-    return status, bodies.error_body(details or code.name, kind, status, param and param.group())
+    if status == 504:
+        details = f"the request did not finish within the router's request_timeout ({details})"
+    match = _PARAM.match(details or "") if status == 400 else None
+    param = None
+    if match:  # the flow names gRPC fields; an HTTP client sent these under its own names
+        param = _GRPC_FIELD.sub(lambda m: _HTTP_NAMES[m.group(1)], match.group())
+        details = param + details[match.end() :]
+    return status, bodies.error_body(details or code.name, kind, status, param)
 
 
 def error_response(exc: BaseException) -> JSONResponse:

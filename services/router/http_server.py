@@ -11,6 +11,8 @@ connection forever (the Slowloris attack). `_DeadlineProtocol` adds one: from a 
 first byte (or the connection's opening) to its last body byte at most `read_timeout` seconds,
 else 408 (when no response has started) and the connection is closed. The application sees the
 close as `http.disconnect`, which cancels nothing yet started: the body was never complete.
+It also bounds a request's headers (MAX_HEADER_BYTES, else 431), which uvicorn's httptools
+parser would buffer without limit.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from services.router.openai_responses import error_body
 logger = logging.getLogger(__name__)
 
 LISTEN_BACKLOG = 2048  # bursts of new clients queue in the kernel instead of being reset
+MAX_HEADER_BYTES = 64 * 1024  # request line + headers; longer ones get 431 (uvicorn sets none)
 
 
 class _DeadlineProtocol(HttpToolsProtocol):
@@ -42,17 +45,38 @@ class _DeadlineProtocol(HttpToolsProtocol):
     read_timeout: float = HttpConfig.read_timeout  # set per server by `_protocol_class`
 
     _receipt_deadline: TimerHandle | None = None
+    _in_headers = True  # the parser has not seen the current request's headers end yet
+    _header_bytes = 0  # bytes received since the current request began, while _in_headers
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()  # the first request's bytes must arrive in time too
 
+    def data_received(self, data: bytes) -> None:
+        if self._in_headers:
+            self._header_bytes += len(data)
+        super().data_received(data)
+        if self._in_headers and self._header_bytes > MAX_HEADER_BYTES:
+            if not self.transport.is_closing():  # headers this long are an attack, not a request
+                self._refuse(
+                    431,
+                    "Request Header Fields Too Large",
+                    "headers",
+                    f"longer than {MAX_HEADER_BYTES} bytes",
+                )
+        # (a chunk that also completed the headers counted its body bytes: harmless, bounded)
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._arm()
 
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        super().on_headers_complete()
+
     def on_message_complete(self) -> None:
         self._disarm()
+        self._in_headers, self._header_bytes = True, 0  # the next request's headers
         super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -74,12 +98,19 @@ class _DeadlineProtocol(HttpToolsProtocol):
             return
         metrics.HTTP_READ_TIMEOUTS.inc()
         if self.cycle is None or not self.cycle.response_started:
-            message = f"body: the request did not arrive within {self.read_timeout:g} s"
-            body = json.dumps(error_body(message, "invalid_request_error", 408, "body")).encode()
-            self.transport.write(
-                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-            )
+            message = f"the request did not arrive within {self.read_timeout:g} s"
+            self._refuse(408, "Request Timeout", "body", message)
+        else:
+            self.transport.close()
+
+    def _refuse(self, status: int, reason: str, param: str, message: str) -> None:
+        """Answers `status` with an OpenAI error body naming `param`, and closes."""
+        error = error_body(f"{param}: {message}", "invalid_request_error", status, param)
+        body = json.dumps(error).encode()
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (status, reason.encode(), len(body), body)
+        )
         self.transport.close()
 
 
@@ -110,6 +141,7 @@ class HttpServer:
     def __init__(self, app: Any, host: str, port: int, config: HttpConfig) -> None:
         self._sock = bind(host, port)
         self.host, self.port = host, self._sock.getsockname()[1]
+        self.shutdown_timeout = config.shutdown_timeout
         uv_config = uvicorn.Config(
             app,
             http=_protocol_class(config.read_timeout),

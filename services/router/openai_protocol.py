@@ -33,7 +33,7 @@ from services.router.openai_sampling import (
     optional,
     sampling_from_body,
 )
-from services.router.prompt import CHAT_ROLES
+from services.router.prompt import CHAT_ROLES, MAX_MESSAGES
 
 MAX_PROMPTS = 256  # prompts in one completions request
 _NO_OP = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},)}
@@ -148,9 +148,27 @@ def _message_content(message: Any, i: int) -> str:
     return "".join(texts)
 
 
+def _include_usage(options: Any, stream: bool) -> bool:
+    """`stream_options.include_usage`; stream_options only with `stream: true`, as OpenAI."""
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise InvalidRequestError("stream_options", "must be an object")
+    if not stream:
+        raise InvalidRequestError("stream_options", 'is only allowed with "stream": true')
+    value = options.get("include_usage")
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequestError(
+            "stream_options.include_usage", f"must be true or false, got {value!r:.40}"
+        )
+    return bool(value)
+
+
 def _set_messages(request: generate_pb2.GenerateRequest, messages: Any) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages", "must be a non-empty list")
+    if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
+        raise InvalidRequestError(
+            "messages", f"must be a non-empty list of at most {MAX_MESSAGES} messages"
+        )
     for i, message in enumerate(messages):
         content = _message_content(message, i)
         request.chat.messages.add(role=message["role"], content=content)
@@ -166,13 +184,14 @@ def parse_request(body: Any, chat: bool, max_n: int = 16) -> OpenAIRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequestError("model", "must be a string")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise InvalidRequestError("stream_options", "must be an object")
+    stream = bool(optional(body, "stream", "bool"))
+    include_usage = _include_usage(body.get("stream_options"), stream)
     sampling = sampling_from_body(body, chat)
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidRequestError("cache_salt", "must be a non-empty string")
+    if salt is not None:
+        checked_text(salt, "cache_salt")
     template = generate_pb2.GenerateRequest(sampling=sampling, cache_salt=salt or "")
     prompts = []
     if chat:
@@ -191,8 +210,8 @@ def parse_request(body: Any, chat: bool, max_n: int = 16) -> OpenAIRequest:
     return OpenAIRequest(
         tuple(prompts),
         chat,
-        stream=bool(optional(body, "stream", "bool")),
-        include_usage=bool(optional(stream_options, "include_usage", "bool")),
+        stream=stream,
+        include_usage=include_usage,
         n=n,
         echo=echo,
         logprobs=sampling.HasField("logprobs"),

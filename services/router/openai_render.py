@@ -15,7 +15,7 @@ from services.common.pb import generate_pb2
 from services.engine.tokenizer import Tokenizer
 from services.router import openai_protocol as oai
 from services.router import openai_responses as bodies
-from services.router.http_errors import http_error
+from services.router.http_errors import ShuttingDownError, http_error
 from services.router.openai_protocol import OpenAIRequest
 
 
@@ -105,10 +105,12 @@ async def sse_body(
     head: list[tuple[int, bytes | ChoiceEnd]],
     events: AsyncIterator[tuple[int, bytes | ChoiceEnd]],
     on_end: Callable[[], None],
+    stopping: Callable[[], bool] = lambda: False,
 ) -> AsyncIterator[bytes]:
     """The event stream: the chunks already read, the rest as they come, the usage chunk when
     asked for, `[DONE]`. An error after the 200 is reported in-band, then `[DONE]`. `on_end`
-    runs however the stream ends (client gone included)."""
+    runs however the stream ends (client gone included); `stopping()` says the router is shutting
+    down, so an error is reported as that."""
     usages: dict[int, generate_pb2.Usage] = {}
     try:
         async for index, item in _chain(head, events):
@@ -120,7 +122,7 @@ async def sse_body(
             ordered = [usages[i] for i in sorted(usages)]
             yield sse_event(bodies.usage_chunk_body(parsed, model, ordered))
     except Exception as exc:  # noqa: BLE001 - headers are out; report in-band
-        yield sse_event(http_error(exc)[1])
+        yield sse_event(http_error(ShuttingDownError() if stopping() else exc)[1])
     finally:
         on_end()
     yield sse_event("[DONE]")

@@ -10,6 +10,7 @@ logprobs (completions: 0..20 alternatives; chat: a bool with top_logprobs 0..20)
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from services.common.pb import common_pb2
@@ -18,6 +19,7 @@ from services.engine.errors import InvalidRequestError
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 MAX_LOGPROBS = 20
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only (int() also takes " 5" and "٥")
 MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI's own limit is 300; ids beyond the vocab are refused later
 
 
@@ -79,10 +81,9 @@ def _logit_bias(body: dict) -> dict[int, float]:
         )
     out = {}
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise InvalidRequestError("logit_bias", f"key {key!r:.40} is not a token id") from None
+        if not _TOKEN_ID.fullmatch(key):
+            raise InvalidRequestError("logit_bias", f"key {key!r:.40} is not a token id")
+        token_id = int(key)
         if not 0 <= token_id <= INT32_MAX:
             raise InvalidRequestError("logit_bias", f"token id {token_id} is out of range")
         if not (is_int(value) or isinstance(value, float)):

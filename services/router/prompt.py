@@ -22,6 +22,7 @@ from services.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+MAX_MESSAGES = 2048  # in one chat: each renders to tokens, and rendering costs per message
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,8 @@ def chat_messages(chat: generate_pb2.ChatMessages) -> list[dict[str, str]]:
     no messages or an unknown role."""
     if not chat.messages:
         raise InvalidRequestError("prompt", "chat has no messages")
+    if len(chat.messages) > MAX_MESSAGES:
+        raise InvalidRequestError("chat.messages", f"at most {MAX_MESSAGES} messages")
     for i, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
             raise InvalidRequestError(

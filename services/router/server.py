@@ -8,19 +8,17 @@ or blocking (tests, the Ray deployment).
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 
 from services.common.config import API_KEY_ENV, RouterConfig
-from services.common.errors import UnauthenticatedError
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2_grpc
 from services.common.server import RunningService, start_service, wait_for_termination
 from services.router.admin import RouterAdminServicer
+from services.router.api_key import check_metadata
 from services.router.cancel import CancelScope
 from services.router.generate import GenerateFlow
 from services.router.http_api import OpenAIApp
@@ -32,7 +30,6 @@ from services.router.workers import WorkerPool
 ROUTER_MAX_STREAMS = 1024  # concurrent Generate streams (one thread each)
 SERVICE_NAME = "pdserve.v1.Generation"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-REDACTED = "<redacted>"
 logger = logging.getLogger(__name__)
 
 
@@ -48,24 +45,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def Generate(  # noqa: N802 - gRPC method name
         self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[generate_pb2.GenerateResponse]:
-        if self._key is not None:
-            check_bearer(context.invocation_metadata(), self._key)
+        check_metadata(context.invocation_metadata(), self._key)
         deadline = self.flow.deadline_for(context.time_remaining())
         scope = CancelScope()
         # Runs when the RPC ends for any reason: cancel, deadline, or normal completion (no-op).
         if not context.add_callback(scope.cancel):
             scope.cancel()  # the RPC is already over
         yield from self.flow.generate(request, deadline, scope)
-
-
-def check_bearer(metadata: Any, key: bytes) -> None:
-    """UnauthenticatedError unless the call's `authorization` metadata is `Bearer KEY`
-    (compared in constant time)."""
-    values = [v for k, v in metadata or () if k == "authorization"]
-    scheme, _, token = (values[0] if values else "").partition(" ")
-    value = token.strip().encode() if isinstance(token, str) else b""
-    if scheme.lower() != "bearer" or not hmac.compare_digest(value, key):
-        raise UnauthenticatedError("authorization: missing or wrong API key")
 
 
 @dataclass
@@ -84,6 +70,8 @@ class RunningRouter:
     def close(self) -> None:
         """Stops the HTTP API and closes worker channels (the caller stops the gRPC server)."""
         if self.http is not None:
+            if self.app is not None:
+                self.app.begin_shutdown(self.http.shutdown_timeout)
             self.http.close()  # lets running streams finish (http.shutdown_timeout)
         if self.app is not None:
             self.app.close()
@@ -145,11 +133,9 @@ def start_router(config: RouterConfig) -> RunningRouter:
 def effective_router_config(
     config: RouterConfig, service: RunningService, http: HttpServer | None, max_model_len: int
 ) -> RouterConfig:
-    """What a started router runs with: the ports it bound and the resolved max_model_len
-    (an API key is never reported: it shows as "<redacted>")."""
+    """What a started router runs with: the ports it bound and the resolved max_model_len."""
     return dataclasses.replace(
         config,
-        api_key=REDACTED if config.api_key else None,
         port=service.port,
         metrics_port=service.metrics_port,
         http_port=http.port if http else None,

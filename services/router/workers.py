@@ -159,12 +159,12 @@ class WorkerPool:
     def decode_free_blocks(self) -> dict[str, int]:
         return dict(self._free_blocks)
 
-    def decode_slots(self) -> int:
-        """Sequences the healthy decode workers run at once: the sum of their max_num_seqs (a
+    def decode_slots(self, healthy_only: bool = True) -> int:
+        """Sequences the (healthy) decode workers run at once: the sum of their max_num_seqs (a
         worker whose GetInfo has not answered yet counts with the engine's default)."""
         with self._lock:
-            healthy = [a for a in self.decode if a not in self.unhealthy]
-        return sum(self._max_num_seqs.get(a, DEFAULT_MAX_NUM_SEQS) for a in healthy)
+            workers = [a for a in self.decode if not healthy_only or a not in self.unhealthy]
+        return sum(self._max_num_seqs.get(a, DEFAULT_MAX_NUM_SEQS) for a in workers)
 
     def prefill_layout(self) -> tuple[str, int] | None:
         """(model_id, block_size) the prefill workers hash blocks with (GetInfo, asked once);

@@ -12,6 +12,7 @@ import pytest
 from services.common.cluster_config import ClusterConfig
 from services.common.config import RouterConfig, with_env_api_key
 from services.common.pb import generate_pb2
+from services.engine.errors import InvalidRequestError
 from services.launcher import cluster_spec
 from services.router.admission import AdmissionGate, OverloadedError
 from services.router.server import warn_if_open
@@ -37,6 +38,16 @@ def test_the_gate_admits_up_to_capacity_plus_queue_and_refuses_at_once():
     big.release()
     for ticket in tickets:
         ticket.release()
+    assert gate.in_flight == 0
+
+
+def test_a_request_that_could_never_be_admitted_is_a_400_not_a_429():
+    healthy = [2]
+    gate = AdmissionGate(lambda: healthy[0], max_queued=1, ceiling=lambda: 4)
+    with pytest.raises(InvalidRequestError, match="^n: 6 sequences .* can never be admitted"):
+        gate.admit(6)  # more than 4 + 1 even with every worker healthy
+    with pytest.raises(OverloadedError):
+        gate.admit(4)  # fits once the unhealthy workers are back: retry later
     assert gate.in_flight == 0
 
 

@@ -193,6 +193,26 @@ def test_a_huge_prompt_is_refused_before_tokenizing(cluster):
         ),
         (b'{"messages": [{"role": "tool", "content": "x"}]}', "messages[0].role", "expected"),
         (b'{"prompt": "a", "logit_bias": {"x": 1}}', "logit_bias", "not a token id"),
+        (b'{"prompt": "a", "logit_bias": {" 5": 1}}', "logit_bias", "not a token id"),
+        (b'{"prompt": "a", "cache_salt": "\\udfff"}', "cache_salt", "lone UTF-16 surrogate"),
+        (b'{"prompt": "a", "stream_options": {}}', "stream_options", '"stream": true'),
+        (
+            b'{"prompt": "a", "stream": true, "stream_options": {"include_usage": 1}}',
+            "stream_options.include_usage",
+            "true or false",
+        ),
+        (b'{"prompt": [5, 99999999]}', "prompt", "outside [0, "),
+        (  # 30 x 16 sequences: more than 256 decode slots + 64 queued could ever hold
+            b'{"prompt": ["a", ' + b'"a", ' * 28 + b'"a"], "n": 16, "max_tokens": 1}',
+            "n",
+            "can never be admitted",
+        ),
+        (b'{"prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "body", "nested"),
+        (
+            b'{"messages": [' + b",".join([b'{"role": "user", "content": ""}'] * 3000) + b"]}",
+            "messages",
+            "at most 2048",
+        ),
         (b"[1, 2]", "body", "JSON object"),
         (b"{", "body", "invalid JSON"),
     ],
@@ -286,8 +306,12 @@ def test_the_api_key_is_required_on_http_and_grpc(strict, model_info, tokenizer,
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     metadata = (("authorization", f"Bearer {KEY}"),)
     assert list(stub.Generate(request, timeout=10, metadata=metadata))[-1].finish_reason
-    info = worker_pb2_grpc.AdminStub(channel).GetInfo(common_pb2.InfoRequest(), timeout=10)
-    assert json.loads(info.config_json)["api_key"] == "<redacted>"
+    admin = worker_pb2_grpc.AdminStub(channel)
+    with pytest.raises(grpc.RpcError) as info:
+        admin.GetInfo(common_pb2.InfoRequest(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    reply = admin.GetInfo(common_pb2.InfoRequest(), timeout=10, metadata=metadata)
+    assert json.loads(reply.config_json)["api_key"] == "<redacted>"
     channel.close()
 
 
@@ -302,6 +326,21 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(strict):
     reply = sock.recv(65536)
     sock.close()
     assert reply.startswith(b"HTTP/1.1 413") and b'"param":"body"' in reply.replace(b" ", b"")
+
+
+def test_headers_over_the_limit_get_431(strict):
+    sock = socket.create_connection((strict.http.host, strict.http.port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX: ")
+    reply = b""
+    try:
+        for _ in range(100):
+            sock.sendall(b"a" * 8192)
+    except OSError:  # the server closed while we were still sending
+        pass
+    while chunk := sock.recv(65536):
+        reply += chunk
+    sock.close()
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:100]
 
 
 @pytest.mark.parametrize(
@@ -326,33 +365,45 @@ def test_a_stalled_client_gets_408_and_is_closed(strict, partial):
 
 
 def test_graceful_shutdown_lets_a_running_stream_finish(cluster, model_info, tokenizer):
-    """close() stops accepting at once but a running stream keeps its tokens coming until the
-    shutdown grace (1 s here) is over."""
+    """Shutdown stops accepting at once, but a running stream keeps its tokens coming until
+    the grace (1 s here) is nearly over; then it ends in-band: a 503 "shutting down" error
+    event, then [DONE], not a dropped connection."""
     ids = _completion_ids(tokenizer)
     router = _second_router(cluster, model_info, http=HttpConfig(shutdown_timeout=1.0))
     _script(cluster, ids, endless_token=ids[1])
-    stream = _client(router).completions.create(
-        model=str(model_info.path), prompt=PROMPT, max_tokens=5000, stream=True
-    )
-    received = []
+    conn = http.client.HTTPConnection(router.http.host, router.http.port, timeout=30)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 5000, "stream": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    reply = conn.getresponse()
+    events: list[str] = []
 
     def read() -> None:
-        try:
-            received.extend(stream)
-        except openai.APIConnectionError:  # cut when the grace is over, as it should be
-            pass
+        buffer = b""
+        while chunk := reply.read1(65536):
+            buffer += chunk
+            *done, buffer = buffer.split(b"\n\n")
+            events.extend(e.decode() for e in done)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    assert _wait_until(lambda: len(received) > 3)
-    closing = threading.Thread(target=router.http.close, daemon=True)
+    assert _wait_until(lambda: len(events) > 3)
+
+    def shut_down() -> None:
+        router.app.begin_shutdown(router.http.shutdown_timeout)
+        router.http.close()
+
+    closing = threading.Thread(target=shut_down, daemon=True)
     start = time.monotonic()
     closing.start()
-    at_close = len(received)
-    assert _wait_until(lambda: len(received) > at_close + 10, timeout=0.9)
+    at_close = len(events)
+    assert _wait_until(lambda: len(events) > at_close + 10, timeout=0.4)
     with pytest.raises(OSError):
         socket.create_connection((router.http.host, router.http.port), timeout=1).close()
     closing.join(10)
-    assert 0.9 < time.monotonic() - start < 5.0
     reader.join(10)
+    assert 0.4 < time.monotonic() - start < 5.0
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2][len("data: ") :])["error"]
+    assert error["code"] == 503 and "shutting down" in error["message"]
+    conn.close()
     router.stop(0)
