@@ -14,11 +14,14 @@ import pytest
 from services.common.cluster_config import ClusterConfig
 from services.common.config import DecodeConfig, PrefillConfig, PrefixIndexConfig, RouterConfig
 from services.common.config_json import from_json, to_dict, to_json
-from services.common.pb import common_pb2, worker_pb2_grpc
+from services.common.http_config import HttpConfig
+from services.common.pb import common_pb2, generate_pb2, worker_pb2_grpc
 from services.engine.config import EngineConfig, EngineRole
-from tests.e2e.cluster import free_port, generate, generation_stub, start
+from tests.e2e.cluster import free_port, generation_stub, start
 
 pytestmark = pytest.mark.e2e
+KEY = "sk-config"
+METADATA = (("authorization", f"Bearer {KEY}"),)
 
 # Fields a cluster sets per child whatever it was given (so a value given there cannot reach a
 # child), and `device`, whose only other value needs a GPU.
@@ -70,6 +73,12 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         http_port=0,
         request_timeout=100.0,
         routing="round_robin",
+        max_queued_requests=5,
+        max_n=4,
+        api_key=KEY,
+        http=HttpConfig(
+            max_body_bytes=100_000, read_timeout=20.0, keep_alive_timeout=3.0, shutdown_timeout=4.0
+        ),
     )
     return ClusterConfig(
         engine=engine,
@@ -106,7 +115,9 @@ def test_the_test_config_sets_every_field_to_a_non_default_value(tiny_llama):
 
 def _info(address: str) -> common_pb2.WorkerInfo:
     with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.AdminStub(channel).GetInfo(common_pb2.InfoRequest(), timeout=30)
+        return worker_pb2_grpc.AdminStub(channel).GetInfo(
+            common_pb2.InfoRequest(), timeout=30, metadata=METADATA
+        )
 
 
 def test_every_child_reports_the_config_its_parent_gave_it(tiny_llama, redis_server):
@@ -127,7 +138,8 @@ def test_every_child_reports_the_config_its_parent_gave_it(tiny_llama, redis_ser
         given = cluster.router_config(addresses["prefill"], addresses["decode"])
         # effective: what it was given, with the HTTP port it bound (0 asked for a free one)
         http_port = int(ready["http"].rpartition(":")[2])
-        assert router == dataclasses.replace(given, http_port=http_port)
+        # (and the key redacted: it reached the router through the environment)
+        assert router == dataclasses.replace(given, http_port=http_port, api_key="<redacted>")
         assert ready["router"] == f"localhost:{cluster.router.port}"
         engine_ids = set()
         for service in services[1:]:
@@ -156,12 +168,14 @@ def test_every_child_reports_the_config_its_parent_gave_it(tiny_llama, redis_ser
             assert info.max_model_len == 256
             engine_ids.add(info.engine_id)
         assert len(engine_ids) == 4
-        token_ids, _, finish = generate(
-            generation_stub(ready["router"]),
+        request = generate_pb2.GenerateRequest(
             token_ids={"ids": [5, 6, 7, 8]},
             sampling={"max_tokens": 4, "temperature": 0.0, "ignore_eos": True},
         )
-        assert len(token_ids) == 4 and finish == "length"
+        stub = generation_stub(ready["router"])
+        replies = list(stub.Generate(request, timeout=60, metadata=METADATA))
+        assert sum(len(r.token_ids) for r in replies) == 4
+        assert replies[-1].finish_reason == "length"
         json.dumps(ready)  # the ready line stays plain JSON
     finally:
         assert proc.stop() == 0
