@@ -212,6 +212,7 @@ def test_a_request_that_can_never_fit_is_refused_before_any_prefill(pool, real_t
             token_ids=generate_pb2.TokenIds(ids=real_text_ids[:30]),
             sampling=_sampling(DECODE_BLOCKS * 16),
         )
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "never fit" in info.value.details()
+    # permanent, so INVALID_ARGUMENT (HTTP 400), never a RESOURCE_EXHAUSTED a client retries
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("max_tokens:") and "never fit" in info.value.details()
     assert worker_info(pool.prefill.ready["grpc"], "prefill").num_prompt_tokens_computed == before
