@@ -1,4 +1,4 @@
-"""The cluster the OpenAI API tests share (test_openai_api.py, test_api_fuzz.py)."""
+"""The cluster of the OpenAI API tests (test_openai_api.py, test_api_fuzz.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ READ_TIMEOUT_S = 2.0
 KEY = "sk-e2e"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def openai_cluster():
     """`pdserve serve` with 8 running sequences, a queue of 4, a 2 s read timeout, and an API
-    key it takes from the environment (as users pass secrets)."""
+    key it takes from the environment (as users pass secrets); a small KV cache. One per test
+    module, stopped at its end: a cluster left running through the other e2e modules holds
+    gigabytes they need."""
     os.environ["PDSERVE_API_KEY"] = KEY
     try:
         proc = start(
@@ -27,6 +29,7 @@ def openai_cluster():
             "--max-num-seqs", str(MAX_NUM_SEQS),
             "--max-queued-requests", str(MAX_QUEUED),
             "--read-timeout", str(READ_TIMEOUT_S),
+            "--kv-cache-bytes", str(256 << 20),
         )  # fmt: skip
     finally:
         del os.environ["PDSERVE_API_KEY"]
