@@ -34,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from services.common.config import RouterConfig
 from services.common.errors import UnauthenticatedError
+from services.common.pb import generate_pb2
 from services.engine.errors import InvalidRequestError
 from services.router import openai_protocol as oai
 from services.router import openai_responses as bodies
@@ -173,10 +174,12 @@ class OpenAIApp:
             end()
             self._active.discard(end)
 
-    def _renderers(self, parsed: oai.OpenAIRequest) -> list[ChoiceRenderer]:
+    def _renderers(
+        self, parsed: oai.OpenAIRequest, requests: list[generate_pb2.GenerateRequest]
+    ) -> list[ChoiceRenderer]:
         tokenizer = self.flow.model.tokenizer
         out = []
-        for index, request in enumerate(parsed.choice_requests()):
+        for index, request in enumerate(requests):
             echo = ""
             if parsed.echo:
                 ids = list(request.token_ids.ids)
@@ -184,7 +187,12 @@ class OpenAIApp:
             out.append(ChoiceRenderer(parsed, self.model_name, index, tokenizer, echo))
         return out
 
-    def _flows(self, parsed: oai.OpenAIRequest, scopes: list[CancelScope]) -> list[Any]:
+    def _flows(
+        self,
+        parsed: oai.OpenAIRequest,
+        requests: list[generate_pb2.GenerateRequest],
+        scopes: list[CancelScope],
+    ) -> list[Any]:
         deadline = self.flow.deadline_for(None)
         groups = [Siblings() for _ in parsed.prompts]  # the n choices of each prompt
         return [
@@ -196,16 +204,15 @@ class OpenAIApp:
                 siblings=groups[index // parsed.n] if parsed.n > 1 else None,
                 leader=index % parsed.n == 0,
             )
-            for index, (request, scope) in enumerate(
-                zip(parsed.choice_requests(), scopes, strict=True)
-            )
+            for index, (request, scope) in enumerate(zip(requests, scopes, strict=True))
         ]
 
     async def _complete(self, parsed: oai.OpenAIRequest, end: _Ending) -> Response:
-        renderers = self._renderers(parsed)
+        requests = parsed.choice_requests()  # built once: renderers and flows share them
+        renderers = self._renderers(parsed, requests)
         sources = [
-            _rendered_whole(r, flow)
-            for r, flow in zip(renderers, self._flows(parsed, end.scopes), strict=True)
+            r.whole(flow)
+            for r, flow in zip(renderers, self._flows(parsed, requests, end.scopes), strict=True)
         ]
         try:
             results = await self.threads.run(sources)
@@ -217,10 +224,11 @@ class OpenAIApp:
         return JSONResponse(bodies.response_body(parsed, self.model_name, choices, usages))
 
     async def _stream(self, parsed: oai.OpenAIRequest, end: _Ending) -> Response:
-        renderers = self._renderers(parsed)
+        requests = parsed.choice_requests()  # built once: renderers and flows share them
+        renderers = self._renderers(parsed, requests)
         sources = [
             r.chunks(flow)
-            for r, flow in zip(renderers, self._flows(parsed, end.scopes), strict=True)
+            for r, flow in zip(renderers, self._flows(parsed, requests, end.scopes), strict=True)
         ]
         events = self.threads.merged(sources)
         started: set[int] = set()
@@ -290,7 +298,3 @@ class _Ending:
         for scope in self.scopes:
             scope.cancel()
         self._release()
-
-
-def _rendered_whole(renderer: ChoiceRenderer, flow: Any) -> Any:
-    yield renderer.complete(list(flow))

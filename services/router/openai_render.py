@@ -70,6 +70,12 @@ class ChoiceRenderer:
         )
         return choice, last.usage
 
+    def whole(
+        self, messages: Iterator[generate_pb2.GenerateResponse]
+    ) -> Iterator[tuple[dict, generate_pb2.Usage]]:
+        """`complete` of all of `messages`, as the one item of a flow thread's iterator."""
+        yield self.complete(list(messages))
+
     def chunks(
         self, messages: Iterator[generate_pb2.GenerateResponse]
     ) -> Iterator[bytes | ChoiceEnd]:
