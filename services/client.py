@@ -20,7 +20,7 @@ import grpc
 from services.cli_sampling import parse_ids, sampling_params
 from services.common.channels import check_address
 from services.common.config import API_KEY_ENV
-from services.common.convert import sampling_to_proto
+from services.common.convert import sampling_to_proto, timings_to_dict
 from services.common.pb import (
     generate_pb2,
     generate_pb2_grpc,
@@ -39,7 +39,7 @@ class GenerateResult:
     usage: dict[str, int] = field(
         default_factory=dict
     )  # prompt_tokens, completion_tokens, cached_tokens
-    timings: dict[str, float] = field(default_factory=dict)  # seconds, measured by the router
+    timings: dict[str, float | str] = field(default_factory=dict)  # legs in seconds, the path
     logprobs: list[dict] = field(
         default_factory=list
     )  # per token, when asked for: token_id, logprob, rank, top
@@ -119,9 +119,7 @@ def stream_generate(
                     name: getattr(msg.usage, name)
                     for name in ("prompt_tokens", "completion_tokens", "cached_tokens")
                 }
-                result.timings = {
-                    f.name: getattr(msg.timings, f.name) for f in msg.timings.DESCRIPTOR.fields
-                }
+                result.timings = timings_to_dict(msg.timings)
     return result
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cache
 from typing import TYPE_CHECKING
 
-from services.common.pb import common_pb2
+from services.common.pb import common_pb2, generate_pb2
 from services.engine.config import DTYPES
 from services.engine.kv_transfer.handle import KV_TENSOR_LAYOUT, KVHandle
 from services.engine.outputs import TokenLogprobs
@@ -151,3 +151,8 @@ def peer_info_from_proto(model_id: str, msg: common_pb2.KVLayout) -> KVPeerInfo:
     from services.engine.kv_transfer.handshake import KVPeerInfo
 
     return KVPeerInfo(model_id, _spec_from_proto(msg), msg.layout)
+
+
+def timings_to_dict(timings: generate_pb2.Timings) -> dict[str, float | str]:
+    """A response's `Timings` as JSON: every leg in seconds, and the path."""
+    return {f.name: getattr(timings, f.name) for f in timings.DESCRIPTOR.fields}

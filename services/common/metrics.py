@@ -146,6 +146,19 @@ SEQUENCES_IN_FLIGHT = Gauge(
     "Sequences admitted by the router and not yet finished (running or queued).",
     ["role"],
 )
+REQUEST_LEG_TIME = Histogram(
+    "pdserve_request_leg_seconds",
+    "Where finished requests' time went, by leg (router_queue, tokenize, prefill_queue, "
+    "prefill, kv_transfer, decode_queue, first_decode_step, decode; generate.proto Timings).",
+    ["role", "leg"],
+    buckets=LATENCY_BUCKETS,
+)
+REQUESTS_BY_PATH = Counter(
+    "pdserve_requests",
+    "Requests started, by serving path: remote (prefilled on the prefill pool) or local "
+    "(prefilled on the decode worker).",
+    ["role", "path"],
+)
 HTTP_READ_TIMEOUTS = Counter(
     "pdserve_http_read_timeouts",
     "HTTP connections closed because a request's headers and body did not arrive in time.",

@@ -86,7 +86,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     continue
                 if out.finish_reason in ("error", "kv_timeout"):
                     raise self._kv_failure(request_id, source, out.finish_reason)
-                yield worker_pb2.DecodeResponse(
+                reply = worker_pb2.DecodeResponse(
                     # Ended at admission: only the prefill's first token, nothing new.
                     token_ids=out.new_token_ids if len(out.output_token_ids) > 1 else [],
                     finish_reason=out.finish_reason if out.finished else "",
@@ -96,6 +96,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     num_cached_tokens=out.num_cached_tokens,
                     logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
                 )
+                if not landed and out.metrics is not None:
+                    reply.queue_seconds = out.metrics.time_in_queue
+                    reply.compute_seconds = out.metrics.time_to_first_token
+                yield reply
                 landed = True
                 if out.finished:
                     return

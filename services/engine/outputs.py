@@ -18,6 +18,30 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class RequestMetrics:
+    """When one request passed the engine's milestones (`time.monotonic()` seconds), as vLLM's
+    `RequestMetrics` names them. `first_token_time` is this engine's first sampled token: the
+    prefill's on a PREFILL or BOTH engine (and a local prefill on a DECODE one), the first
+    decode step's for a DECODE request whose prompt KV came from a transfer."""
+
+    arrival_time: float
+    first_scheduled_time: float
+    first_token_time: float
+
+    @property
+    def time_in_queue(self) -> float:
+        """Seconds from arrival to the first step that scheduled the request (a DECODE request
+        with remote KV waits here for blocks and for its KV)."""
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float:
+        """Seconds of compute from the first scheduling step to the first sampled token (a
+        chunked prompt's chunks, and the steps in between)."""
+        return self.first_token_time - self.first_scheduled_time
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One step's news for one request."""
 
@@ -29,6 +53,7 @@ class RequestOutput:
     kv_handle: KVHandle | None = None  # PREFILL role: where the prompt's KV is pinned
     new_logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token when the request asked
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    metrics: RequestMetrics | None = None  # once the request has its first sampled token
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from services.engine.block_hash import BlockHash
 from services.engine.kv_transfer.handle import KVHandle
-from services.engine.outputs import RequestOutput, TokenLogprobs
+from services.engine.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 
 
@@ -80,6 +80,10 @@ class Request:
     """DECODE role: monotonic time by which the prompt KV must have been loaded."""
     kv_landed: bool = False
     """DECODE role: a caller wrote the pulled prompt KV into the blocks (`Engine.kv_written`)."""
+    first_scheduled_time: float | None = None
+    """When a step first scheduled the request (monotonic seconds; kept through preemption)."""
+    first_token_time: float | None = None
+    """When this engine first sampled a token for the request (monotonic seconds)."""
 
     def output(self, new: list[int], handle: KVHandle | None = None) -> RequestOutput:
         """This step's news: `new` token ids (with their logprobs when asked for), `handle`
@@ -95,7 +99,15 @@ class Request:
             handle,
             new_logprobs,
             self.num_cached_tokens or 0,
+            self.metrics,
         )
+
+    @property
+    def metrics(self) -> RequestMetrics | None:
+        """Its milestones, once it has its first sampled token (else None)."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time)
 
     @property
     def remote_handle(self) -> KVHandle:
@@ -117,9 +129,12 @@ class Request:
 
     # -- transitions ---------------------------------------------------------------------------
 
-    def start_running(self) -> None:
+    def start_running(self, now: float) -> None:
+        """Scheduled by the step starting at `now` (monotonic seconds)."""
         assert self.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV)
         self.status = RequestStatus.RUNNING
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = now
 
     def preempt(self) -> None:
         """Back to WAITING; the caller has freed its blocks, its KV will be recomputed."""

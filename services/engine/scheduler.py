@@ -18,6 +18,7 @@ now, ahead of the waiting queue, and lists their loads in `SchedulerOutput.remot
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     remote_loads: list[RemoteLoad] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    now: float = 0.0  # when the step was scheduled (time.monotonic() seconds)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -90,7 +92,7 @@ class Scheduler:
         out), then `ready_remote` (DECODE requests holding their blocks, whose prompt KV can be
         loaded now, in arrival order), then the waiting queue, within `max_num_batched_tokens`
         and `max_num_seqs`. A remote request left out stays with its caller for a later step."""
-        out = SchedulerOutput()
+        out = SchedulerOutput(now=time.monotonic())
         budget = self.config.max_num_batched_tokens
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING:
@@ -168,7 +170,7 @@ class Scheduler:
             request.num_cached_tokens = num_cached
 
     def _start(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
-        request.start_running()
+        request.start_running(out.now)
         self.running.append(request)
         out.scheduled.append(self._scheduled(request, num_new))
 
@@ -200,7 +202,7 @@ class Scheduler:
         requests: dict[str, Request],
     ) -> list[Request]:
         """Advance computed counts and append sampled tokens; returns requests that got a token."""
-        got_token = []
+        got_token, now = [], time.monotonic()
         for item in out.scheduled:
             request = requests[item.request_id]
             end = item.start_position + len(item.token_ids)
@@ -213,6 +215,8 @@ class Scheduler:
                 request.append_output_token(
                     sampled[item.request_id], self.max_model_len, logprobs.get(item.request_id)
                 )
+                if request.first_token_time is None:
+                    request.first_token_time = now
                 got_token.append(request)
         return got_token
 

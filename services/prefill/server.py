@@ -66,6 +66,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         response = worker_pb2.PrefillResponse(
             first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens
         )
+        if out.metrics is not None:
+            response.queue_seconds = out.metrics.time_in_queue
+            response.compute_seconds = out.metrics.time_to_first_token
         if out.new_logprobs:
             response.first_logprob.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))
         if out.kv_handle is None:  # the first token already finished the request

@@ -27,6 +27,7 @@ from services.router.prompt import ModelInfo
 from services.router.request_run import RequestRun
 from services.router.routing import Routing
 from services.router.siblings import Siblings
+from services.router.stats import create_series
 from services.router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class GenerateFlow:
         self.pool = pool
         self.request_timeout = request_timeout
         self.routing = routing if routing is not None else Routing(pool, "round_robin")
+        create_series()
         self.admission = AdmissionGate(
             pool.decode_slots, max_queued_requests, lambda: pool.decode_slots(healthy_only=False)
         )
@@ -75,13 +77,15 @@ class GenerateFlow:
         admit: bool = True,
         siblings: Siblings | None = None,
         leader: bool = True,
+        received: float | None = None,
     ) -> Generator[generate_pb2.GenerateResponse, None, None]:
         """Streams the completion; the last message has finish_reason, usage and timings.
 
         `admit`: take one unit of the admission gate for the request's life (False: the caller
         holds units for it, as the HTTP API does for all the choices of one request).
         `siblings`: the group of the n sequences of one prompt (`siblings.py`), this one its
-        `leader` or not.
+        `leader` or not. `received`: when the request arrived (time.monotonic() seconds; default
+        now), where its timings start.
         Raises (when iterated): OverloadedError when the gate is full, InvalidRequestError /
         ValueError for bad input (field named), ServiceUnavailableError with no workers,
         TimeoutError past the deadline, RequestCancelledError when `scope` is cancelled,
@@ -89,7 +93,7 @@ class GenerateFlow:
         """
         scope = scope if scope is not None else CancelScope()
         ticket = self.admission.admit() if admit else None
-        run = RequestRun(self, request, deadline, scope, siblings, leader)
+        run = RequestRun(self, request, deadline, scope, siblings, leader, received)
         finished = False
         try:
             for response in run.responses():

@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -140,6 +141,7 @@ class OpenAIApp:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
+        received = time.monotonic()  # each choice's timings start here
         try:
             parsed = oai.parse_request(await self._read_json(request), chat, self.max_n)
             if parsed.model is not None and parsed.model != self.model_name:
@@ -154,8 +156,8 @@ class OpenAIApp:
         end.watcher = asyncio.create_task(self._end_on_disconnect(request.receive, end))
         try:
             if parsed.stream:
-                return await self._stream(parsed, end)
-            return await self._complete(parsed, end)
+                return await self._stream(parsed, end, received)
+            return await self._complete(parsed, end, received)
         except BaseException:  # cancelled (shutdown past its grace): stop the flows
             end()
             raise
@@ -192,6 +194,7 @@ class OpenAIApp:
         parsed: oai.OpenAIRequest,
         requests: list[generate_pb2.GenerateRequest],
         scopes: list[CancelScope],
+        received: float,
     ) -> list[Any]:
         deadline = self.flow.deadline_for(None)
         groups = [Siblings() for _ in parsed.prompts]  # the n choices of each prompt
@@ -203,17 +206,16 @@ class OpenAIApp:
                 admit=False,
                 siblings=groups[index // parsed.n] if parsed.n > 1 else None,
                 leader=index % parsed.n == 0,
+                received=received,
             )
             for index, (request, scope) in enumerate(zip(requests, scopes, strict=True))
         ]
 
-    async def _complete(self, parsed: oai.OpenAIRequest, end: _Ending) -> Response:
+    async def _complete(self, parsed: oai.OpenAIRequest, end: _Ending, received: float) -> Response:
         requests = parsed.choice_requests()  # built once: renderers and flows share them
+        flows = self._flows(parsed, requests, end.scopes, received)
         renderers = self._renderers(parsed, requests)
-        sources = [
-            r.whole(flow)
-            for r, flow in zip(renderers, self._flows(parsed, requests, end.scopes), strict=True)
-        ]
+        sources = [r.whole(flow) for r, flow in zip(renderers, flows, strict=True)]
         try:
             results = await self.threads.run(sources)
         except Exception as exc:  # noqa: BLE001
@@ -223,13 +225,11 @@ class OpenAIApp:
         usages = [r[0][1] for r in results]
         return JSONResponse(bodies.response_body(parsed, self.model_name, choices, usages))
 
-    async def _stream(self, parsed: oai.OpenAIRequest, end: _Ending) -> Response:
+    async def _stream(self, parsed: oai.OpenAIRequest, end: _Ending, received: float) -> Response:
         requests = parsed.choice_requests()  # built once: renderers and flows share them
+        flows = self._flows(parsed, requests, end.scopes, received)
         renderers = self._renderers(parsed, requests)
-        sources = [
-            r.chunks(flow)
-            for r, flow in zip(renderers, self._flows(parsed, requests, end.scopes), strict=True)
-        ]
+        sources = [r.chunks(flow) for r, flow in zip(renderers, flows, strict=True)]
         events = self.threads.merged(sources)
         started: set[int] = set()
         head: list[tuple[int, bytes | ChoiceEnd]] = []

@@ -11,6 +11,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
+from services.common.convert import timings_to_dict
 from services.common.pb import generate_pb2
 from services.engine.tokenizer import Tokenizer
 from services.router import openai_protocol as oai
@@ -68,6 +69,7 @@ class ChoiceRenderer:
         choice = bodies.choice_body(
             self.req, self.index, self.echo_text + text, last.finish_reason, logprobs
         )
+        choice["timings"] = timings_to_dict(last.timings)  # pdserve's: where the time went
         return choice, last.usage
 
     def whole(
@@ -95,11 +97,12 @@ class ChoiceRenderer:
                         self.req, message.logprobs, self.token_text, offsets
                     )
                 text = (self.echo_text if first else "") + message.text
-                yield sse_event(
-                    bodies.chunk_body(
-                        self.req, self.model_name, self.index, text, finish, first, logprobs
-                    )
+                body = bodies.chunk_body(
+                    self.req, self.model_name, self.index, text, finish, first, logprobs
                 )
+                if finish:  # pdserve's: where the choice's time went
+                    body["choices"][0]["timings"] = timings_to_dict(message.timings)
+                yield sse_event(body)
                 first = False
             if finish:
                 yield ChoiceEnd(message.usage)

@@ -52,20 +52,23 @@ class RequestRun:
         scope: CancelScope,
         siblings: Siblings | None = None,
         leader: bool = True,
+        received: float | None = None,
     ) -> None:
         self.flow = flow
         self.siblings, self.leader = siblings, leader
         self.request = request
         self.deadline = deadline
         self.scope = scope
-        self.stats = RequestStats()
+        self.stats = RequestStats() if received is None else RequestStats(start=received)
         self.kv_landed = False  # a decode worker reported the prompt KV arrived
         self.request_id = request.request_id
         self.prefill_address = ""
         self.handle: common_pb2.KVHandle | None = None  # the pinned prompt KV, once prefilled
 
     def responses(self) -> Iterator[generate_pb2.GenerateResponse]:
+        self.stats.on_started()
         prepared = self._prepare()
+        self.stats.on_path("remote")
         text = TextStream(self.flow.model.tokenizer, prepared.prompt_token_ids, prepared.stop)
         prefill = self._prefill(prepared)
         self.handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
@@ -216,7 +219,9 @@ class RequestRun:
             raise
         finally:
             self.scope.untrack(future)
-        self.stats.on_prefill(time.monotonic() - start, response.num_cached_tokens)
+        self.stats.on_prefill(
+            time.monotonic() - start, response.compute_seconds, response.num_cached_tokens
+        )
         return response
 
     def _decode(
@@ -258,7 +263,7 @@ class RequestRun:
             for reply in call:
                 if not self.kv_landed:
                     self.kv_landed = True
-                    self.stats.on_kv_transfer(reply.kv_transfer_seconds)
+                    self.stats.on_first_decode(reply.kv_transfer_seconds, reply.compute_seconds)
                     if self.siblings is not None and self.leader:
                         self.siblings.landed(address)
                 delta = text.add(list(reply.token_ids))

@@ -4,8 +4,15 @@ Definitions (ARCHITECTURE.md, as vLLM's and SGLang's serving benchmarks use them
 seconds on the monotonic clock, measured from when the router received the request:
 TTFT = first token sent; E2E = last token sent; TPOT = (E2E - TTFT) / (tokens - 1) when more
 than one token was generated; ITL = each gap between consecutive messages carrying tokens.
-The legs add up to about E2E: tokenize + prefill + (first token sent) + kv_transfer + decode,
-where decode is the Decode RPC's time to its last token minus the KV pull it reports.
+
+The legs (`Timings` in generate.proto; `pdserve_request_leg_seconds{leg}`) split them:
+    TTFT ~ router_queue + tokenize + prefill_queue + prefill
+    E2E  ~ TTFT + decode_queue + kv_transfer + first_decode_step + decode
+`prefill` and `first_decode_step` are the workers' own compute figures (first scheduled -> first
+sampled token, `RequestMetrics` in the engine); each `*_queue` leg is the rest of its RPC's wait
+as the router saw it: the network, the worker's queue, and on the decode side the wait for
+blocks. What is left over (picking a worker, handing a message on) is the router's bookkeeping,
+a fraction of a millisecond.
 """
 
 from __future__ import annotations
@@ -19,40 +26,91 @@ from services.common import metrics
 from services.common.pb import generate_pb2
 
 ROLE = "router"
+LEGS = (
+    "router_queue",
+    "tokenize",
+    "prefill_queue",
+    "prefill",
+    "kv_transfer",
+    "decode_queue",
+    "first_decode_step",
+    "decode",
+)
+PATHS = ("remote", "local")
+
+
+def create_series() -> None:
+    """Creates the router's labelled leg and path series at start, so they read 0 (not absent)
+    before the first request."""
+    for leg in LEGS:
+        metrics.REQUEST_LEG_TIME.labels(ROLE, leg)
+    for path in PATHS:
+        metrics.REQUESTS_BY_PATH.labels(ROLE, path)
 
 
 @dataclass
 class RequestStats:
-    """Timestamps and counts for one request; every `on_*` method also records its metrics."""
+    """Timestamps, legs and counts for one request; `on_*` methods also record its metrics."""
 
     start: float = field(default_factory=time.monotonic)
     """When the request was received (time.monotonic seconds)."""
+    path: str = "remote"
+    """"remote" (prefilled on the prefill pool) or "local" (on its decode worker)."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     """Prompt tokens the prefill worker took from its prefix cache."""
+    router_queue: float = 0.0
     tokenize: float = 0.0
+    prefill_queue: float = 0.0
     prefill: float = 0.0
     kv_transfer: float = 0.0
+    decode_queue: float = 0.0
+    first_decode_step: float = 0.0
     decode_start: float | None = None
+    """When the Decode call was sent."""
+    first_decode_at: float | None = None
+    """When the first token after the prefill's arrived."""
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_tokens: int = 0
+
+    def on_started(self) -> None:
+        """The router starts working on the request (its flow thread picked it up)."""
+        self.router_queue = time.monotonic() - self.start
+
+    def on_path(self, path: str) -> None:
+        """The request takes `path` ("remote" or "local"); counted once per request."""
+        self.path = path
+        metrics.REQUESTS_BY_PATH.labels(ROLE, path).inc()
 
     def on_tokenized(self, prompt_tokens: int, seconds: float) -> None:
         self.prompt_tokens, self.tokenize = prompt_tokens, seconds
         metrics.TOKENIZE_TIME.labels(ROLE).observe(seconds)
         metrics.PROMPT_TOKENS.labels(ROLE).inc(prompt_tokens)
 
-    def on_prefill(self, seconds: float, cached_tokens: int = 0) -> None:
-        self.prefill, self.cached_tokens = seconds, cached_tokens
-        metrics.PREFILL_TIME.labels(ROLE).observe(seconds)
+    def on_prefill(self, call_seconds: float, compute_seconds: float, cached_tokens: int) -> None:
+        """A Prefill call took `call_seconds`, of which `compute_seconds` were its worker's
+        compute (a retried prefill's figures add to the first one's)."""
+        self.prefill_queue += max(0.0, call_seconds - compute_seconds)
+        self.prefill += compute_seconds
+        self.cached_tokens = cached_tokens
+        metrics.PREFILL_TIME.labels(ROLE).observe(call_seconds)
 
     def on_decode_started(self) -> None:
         self.decode_start = time.monotonic()
 
-    def on_kv_transfer(self, seconds: float) -> None:
-        self.kv_transfer = seconds
-        metrics.KV_TRANSFER_TIME.labels(ROLE).observe(seconds)
+    def on_first_decode(self, kv_transfer: float, step_seconds: float) -> None:
+        """The first Decode reply arrived: the KV pull took `kv_transfer` seconds and the step
+        that computed its token `step_seconds` (both measured by the decode worker)."""
+        now = time.monotonic()
+        assert self.decode_start is not None  # on_decode_started came first
+        self.kv_transfer, self.first_decode_step, self.first_decode_at = (
+            kv_transfer,
+            step_seconds,
+            now,
+        )
+        self.decode_queue = max(0.0, now - self.decode_start - kv_transfer - step_seconds)
+        metrics.KV_TRANSFER_TIME.labels(ROLE).observe(kv_transfer)
 
     def on_tokens_sent(self, num_tokens: int) -> None:
         """Called just before a message carrying `num_tokens` (> 0) new tokens is handed over."""
@@ -68,7 +126,8 @@ class RequestStats:
         metrics.GENERATION_TOKENS.labels(ROLE).inc(num_tokens)
 
     def on_finished(self, finish_reason: str) -> None:
-        """Records E2E, TPOT and the success counter (call before the final message is sent)."""
+        """Records E2E, TPOT, the legs and the success counter (call before the final message
+        is sent)."""
         end = self.last_token_at if self.last_token_at is not None else time.monotonic()
         ttft = (self.first_token_at or end) - self.start
         metrics.E2E_REQUEST_LATENCY.labels(ROLE).observe(end - self.start)
@@ -78,6 +137,9 @@ class RequestStats:
         metrics.REQUEST_SUCCESS.labels(ROLE, finish_reason).inc()
         metrics.REQUEST_PROMPT_TOKENS.labels(ROLE).observe(self.prompt_tokens)
         metrics.REQUEST_GENERATION_TOKENS.labels(ROLE).observe(self.num_tokens)
+        timings = self.timings()
+        for leg in LEGS:
+            metrics.REQUEST_LEG_TIME.labels(ROLE, leg).observe(getattr(timings, leg))
 
     def on_failed(self, code: grpc.StatusCode) -> None:
         metrics.REQUEST_ERRORS.labels(ROLE, code.name).inc()
@@ -94,13 +156,18 @@ class RequestStats:
         end = self.last_token_at if self.last_token_at is not None else time.monotonic()
         ttft = (self.first_token_at or end) - self.start
         decode = 0.0
-        if self.decode_start is not None:
-            decode = max(0.0, end - self.decode_start - self.kv_transfer)
+        if self.first_decode_at is not None:
+            decode = max(0.0, end - self.first_decode_at)
         return generate_pb2.Timings(
             ttft=ttft,
             e2e=end - self.start,
+            router_queue=self.router_queue,
             tokenize=self.tokenize,
+            prefill_queue=self.prefill_queue,
             prefill=self.prefill,
             kv_transfer=self.kv_transfer,
+            decode_queue=self.decode_queue,
+            first_decode_step=self.first_decode_step,
             decode=decode,
+            path=self.path,
         )

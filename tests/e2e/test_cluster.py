@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -12,6 +13,7 @@ import grpc
 import pytest
 
 from services.common.pb import common_pb2, generate_pb2
+from services.router.stats import LEGS
 from tests.e2e.cluster import generate, generation_stub, pid_alive, scrape, start, worker_info
 from tests.reference import assert_equivalent, hf_greedy
 
@@ -161,10 +163,9 @@ def test_generate_cli_answers_paris(cluster):
         timeout=120,
         check=True,
     )
-    import json
-
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert "Paris" in result["text"]
+    assert set(LEGS) <= set(result["timings"]) and result["timings"]["path"] == "remote"
     assert (
         result["finish_reason"] in ("stop", "length") and result["usage"]["completion_tokens"] >= 1
     )
@@ -276,3 +277,56 @@ def _wait_for(condition, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.1)
     return condition()
+
+
+def _within(legs: float, measured: float) -> bool:
+    """The timings rule of issue 15: within 10% or 5 ms."""
+    return abs(legs - measured) <= max(0.10 * measured, 0.005)
+
+
+def test_the_legs_add_up_to_the_client_measured_ttft_and_e2e(cluster, real_text_ids):
+    """An undelayed request's legs (router queue, tokenize, prefill queue and compute; decode
+    queue, KV transfer, first decode step, decode) add up to the TTFT and E2E its client
+    measured, on the gRPC API and on the HTTP final chunk; the leg histograms count them."""
+    stub = generation_stub(cluster.ready["router"])
+    router_metrics = _service(cluster, "router")["metrics"]
+    generate(stub, token_ids=generate_pb2.TokenIds(ids=real_text_ids[:64]), sampling=_sampling(2))
+    legs_before = _leg_count(router_metrics, "prefill")
+    for offset in (0, 300, 600):
+        request = generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=real_text_ids[offset : offset + 200]),
+            sampling=_sampling(24),
+        )
+        sent = time.monotonic()
+        first = None
+        for msg in stub.Generate(request, timeout=120):
+            if msg.token_ids and first is None:
+                first = time.monotonic() - sent
+            final = msg
+        e2e = time.monotonic() - sent
+        t = final.timings
+        assert t.path == "remote" and t.prefill > 0 and t.kv_transfer > 0 and t.decode > 0, t
+        assert t.first_decode_step > 0 and min(t.router_queue, t.prefill_queue, t.decode_queue) >= 0
+        to_first = t.router_queue + t.tokenize + t.prefill_queue + t.prefill
+        to_last = to_first + t.decode_queue + t.kv_transfer + t.first_decode_step + t.decode
+        assert _within(to_first, first), (to_first, first, t)
+        assert _within(to_last, e2e), (to_last, e2e, t)
+    assert _leg_count(router_metrics, "prefill") == legs_before + 3
+    http = cluster.ready["http"]
+    body = json.dumps(
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stream": True}
+    ).encode()
+    request = urllib.request.Request(
+        f"{http}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response if line.startswith(b"data: {")]
+    timings = events[-1]["choices"][0]["timings"]
+    assert timings["path"] == "remote" and timings["e2e"] >= timings["ttft"] > 0, timings
+    assert set(LEGS) <= set(timings)
+
+
+def _leg_count(url: str, leg: str) -> float:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    prefix = f'pdserve_request_leg_seconds_count{{role="router",leg="{leg}"}} '
+    return next(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from services.engine import LLM, SamplingParams
@@ -138,3 +140,26 @@ def test_a_step_orders_prompt_chunks_by_length_after_fcfs_admission(tiny_llama):
     ]
     reference, _ = run_to_completion(make_engine(tiny_llama, num_blocks=256), requests)
     assert outs == reference
+
+
+def test_request_metrics_span_queue_and_every_prefill_chunk(tiny_llama):
+    """`RequestOutput.metrics`: arrival -> first scheduled is the queue (r1 waits while r0's
+    chunks fill the budget), first scheduled -> first token spans all of a chunked prompt's
+    steps; absent until the first token, then fixed."""
+    engine = make_engine(tiny_llama, num_blocks=256, max_num_batched_tokens=16, max_num_seqs=1)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    engine.add_request(list(range(2, 42)), params, request_id="r0")  # 3 chunks
+    engine.add_request(list(range(2, 10)), params, request_id="r1")
+    seen: dict[str, list] = {"r0": [], "r1": []}
+    step_starts = []
+    while engine.has_unfinished_requests():
+        step_starts.append(time.monotonic())
+        for out in engine.step():
+            seen[out.request_id].append(out.metrics)
+    first = {rid: metrics[0] for rid, metrics in seen.items()}
+    assert all(m is not None for metrics in seen.values() for m in metrics)
+    assert all(m == first[rid] for rid, metrics in seen.items() for m in metrics)
+    r0, r1 = first["r0"], first["r1"]
+    assert r0.first_scheduled_time <= step_starts[1] < step_starts[2] <= r0.first_token_time
+    assert r1.first_scheduled_time >= r0.first_token_time  # max_num_seqs 1: it waited for r0
+    assert r1.time_in_queue > r0.time_in_queue >= 0 and r0.time_to_first_token > 0

@@ -54,20 +54,30 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("ttft", "e2e", "tokenize", "prefill", "kv_transfer", "decode")
+    __slots__ = ("ttft", "e2e", "tokenize", "prefill", "kv_transfer", "decode", "router_queue", "prefill_queue", "decode_queue", "first_decode_step", "path")
     TTFT_FIELD_NUMBER: _ClassVar[int]
     E2E_FIELD_NUMBER: _ClassVar[int]
     TOKENIZE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DECODE_STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     ttft: float
     e2e: float
     tokenize: float
     prefill: float
     kv_transfer: float
     decode: float
-    def __init__(self, ttft: _Optional[float] = ..., e2e: _Optional[float] = ..., tokenize: _Optional[float] = ..., prefill: _Optional[float] = ..., kv_transfer: _Optional[float] = ..., decode: _Optional[float] = ...) -> None: ...
+    router_queue: float
+    prefill_queue: float
+    decode_queue: float
+    first_decode_step: float
+    path: str
+    def __init__(self, ttft: _Optional[float] = ..., e2e: _Optional[float] = ..., tokenize: _Optional[float] = ..., prefill: _Optional[float] = ..., kv_transfer: _Optional[float] = ..., decode: _Optional[float] = ..., router_queue: _Optional[float] = ..., prefill_queue: _Optional[float] = ..., decode_queue: _Optional[float] = ..., first_decode_step: _Optional[float] = ..., path: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage", "timings", "logprobs")
