@@ -189,7 +189,8 @@ def _serve(args: argparse.Namespace) -> int:
     assert isinstance(config, ClusterConfig)
     # What every child would refuse, refused before any starts (no torch here: config.json).
     model_limits(resolve_model(config.engine.model), config.engine.max_model_len)
-    return launcher.Supervisor(launcher.cluster_spec(config)).run()
+    plan = launcher.placement_plan(config)
+    return launcher.Supervisor(launcher.cluster_spec(config, plan)).run()
 
 
 def _service(args: argparse.Namespace) -> int:
@@ -201,6 +202,10 @@ def _service(args: argparse.Namespace) -> int:
 
         # Before the server module imports torch: OpenMP sizes its pool from the affinity mask.
         apply_cpu_placement(config.threads, config.cpus)
+    elif isinstance(config, RouterConfig):
+        from services.placement import pin_cpus
+
+        pin_cpus(config.cpus)  # no torch in the router
     server = importlib.import_module(f"services.{args.command}.server")
     server.serve(config)
     return 0

@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from services.children import Child, ChildSpec, Pipes
 from services.common.cluster_config import ClusterConfig
 from services.common.config import API_KEY_ENV
 from services.common.config_json import to_json
+from services.placement import PlacementPlan, plan_placement, visible_gpus
 
 READY_PREFIX = "ready "
 
@@ -44,6 +45,7 @@ class ClusterSpec:
     router: Callable[[list[str], list[str]], ChildSpec]  # (prefill addrs, decode addrs) -> spec
     start_timeout: float = 120.0  # seconds for each stage (workers, router) to become ready
     stop_timeout: float = 10.0  # seconds between SIGTERM and SIGKILL
+    plan_line: str = ""  # the placement, logged at start
 
 
 class StartError(Exception):
@@ -59,28 +61,49 @@ def _command(role: str, config: Any) -> list[str]:
     return [sys.executable, "-m", "services.cli", role, "--config-json", to_json(config)]
 
 
-def cluster_spec(config: ClusterConfig) -> ClusterSpec:
+def placement_plan(
+    config: ClusterConfig, cpus: list[int] | None = None, environ: Mapping[str, str] = os.environ
+) -> PlacementPlan | None:
+    """The cluster's placement (None with `placement: none`): over `cpus` (default: the CPUs
+    this process may use) and, for a CUDA engine, the visible GPUs. Raises ValueError when
+    there are fewer GPUs than workers."""
+    if config.placement == "none":
+        return None
+    gpus = visible_gpus(environ) if config.engine.device == "cuda" else []
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    return plan_placement(cpus, config.num_prefill, config.num_decode, gpus)
+
+
+def cluster_spec(config: ClusterConfig, plan: PlacementPlan | None = None) -> ClusterSpec:
     """The `pdserve serve` cluster: `num_prefill` + `num_decode` workers, each with the config
-    `config.prefill_config(i)` / `config.decode_config(i)` derives, then the router pointed at
-    their addresses."""
-    workers = [
-        ChildSpec(f"prefill-{i}", "prefill", _command("prefill", c), c)
-        for i, c in enumerate(config.prefill_config(i) for i in range(config.num_prefill))
-    ]
-    workers += [
-        ChildSpec(f"decode-{i}", "decode", _command("decode", c), c)
-        for i, c in enumerate(config.decode_config(i) for i in range(config.num_decode))
-    ]
+    `config.prefill_config(i, plan)` / `config.decode_config(i, plan)` derives (and its GPU as
+    CUDA_VISIBLE_DEVICES), then the router pointed at their addresses."""
+
+    pools = (
+        ("prefill", config.num_prefill, config.prefill_config, plan.prefill_gpus if plan else ()),
+        ("decode", config.num_decode, config.decode_config, plan.decode_gpus if plan else ()),
+    )
+    workers = []
+    for role, count, member, gpus in pools:
+        for i in range(count):
+            worker = member(i, plan)
+            env = {"CUDA_VISIBLE_DEVICES": str(gpus[i])} if gpus else {}
+            workers.append(ChildSpec(f"{role}-{i}", role, _command(role, worker), worker, env))
 
     def router(prefill: list[str], decode: list[str]) -> ChildSpec:
-        router_config = config.router_config(prefill, decode)
+        router_config = config.router_config(prefill, decode, plan)
         # The API key goes through the environment, never the command line (`ps` shows argv).
         key = router_config.api_key
         argv = _command("router", dataclasses.replace(router_config, api_key=None))
         env = {API_KEY_ENV: key} if key else {}
         return ChildSpec("router", "router", argv, router_config, env)
 
-    return ClusterSpec(workers, router, start_timeout=config.start_timeout)
+    return ClusterSpec(
+        workers,
+        router,
+        start_timeout=config.start_timeout,
+        plan_line=plan.describe() if plan else "placement: none (every process unpinned)",
+    )
 
 
 # --- the supervisor ------------------------------------------------------------------------
@@ -104,6 +127,8 @@ class Supervisor:
             sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)
         }
         try:
+            if self.spec.plan_line:
+                _log(f"pdserve: {self.spec.plan_line}")
             try:
                 self._wait_ready([self._start(spec) for spec in self.spec.workers])
                 addresses = {

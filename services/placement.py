@@ -2,12 +2,15 @@
 
 Prefill is compute-bound and decode memory-bound; pinning each pool to its own cores keeps one
 from stealing the other's (ARCHITECTURE.md). The worker commands call `apply_cpu_placement`
-before they build their engine.
+before they build their engine; `pdserve serve` divides the machine with `plan_placement`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 
 def parse_cpu_list(text: str, flag: str = "--cpus") -> list[int]:
@@ -28,13 +31,19 @@ def parse_cpu_list(text: str, flag: str = "--cpus") -> list[int]:
     allowed = os.sched_getaffinity(0)
     if missing := sorted(cpus - allowed):
         raise ValueError(
-            f"{flag}: CPU {missing[0]} is not available (allowed: {_format_cpus(allowed)})"
+            f"{flag}: CPU {missing[0]} is not available (allowed: {format_cpus(sorted(allowed))})"
         )
     return sorted(cpus)
 
 
-def _format_cpus(cpus: set[int]) -> str:
-    return ",".join(str(c) for c in sorted(cpus))
+def pin_cpus(cpus: str | None) -> list[int] | None:
+    """Pin this process to `cpus` (None: leave it); returns the CPU ids. Imports no torch (the
+    router calls it). Raises ValueError naming --cpus."""
+    if cpus is None:
+        return None
+    cpu_ids = parse_cpu_list(cpus)
+    os.sched_setaffinity(0, cpu_ids)
+    return cpu_ids
 
 
 def apply_cpu_placement(threads: int | None, cpus: str | None) -> list[int] | None:
@@ -46,12 +55,97 @@ def apply_cpu_placement(threads: int | None, cpus: str | None) -> list[int] | No
     """
     if threads is not None and threads < 1:
         raise ValueError(f"--threads: must be >= 1, got {threads}")
-    cpu_ids = parse_cpu_list(cpus) if cpus is not None else None
+    cpu_ids = pin_cpus(cpus)
     if cpu_ids is not None:
-        os.sched_setaffinity(0, cpu_ids)
         threads = threads or len(cpu_ids)
     if threads is not None:
         import torch  # after the affinity change: OpenMP reads it when torch starts
 
         torch.set_num_threads(threads)
     return cpu_ids
+
+
+def format_cpus(cpus: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (what `parse_cpu_list` reads back)."""
+    parts: list[str] = []
+    for cpu in sorted(cpus):
+        if parts and parts[-1].rpartition("-")[2] == str(cpu - 1):
+            parts[-1] = f"{parts[-1].partition('-')[0]}-{cpu}"
+        else:
+            parts.append(str(cpu))
+    return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Which CPUs (and GPU) each process of a `pdserve serve` cluster gets. Each worker runs
+    one torch thread per CPU it is given; `router` may share the prefill workers' CPUs."""
+
+    router: tuple[int, ...]
+    prefill: tuple[tuple[int, ...], ...]
+    decode: tuple[tuple[int, ...], ...]
+    prefill_gpus: tuple[int, ...] = ()
+    decode_gpus: tuple[int, ...] = ()
+    shared: bool = False
+    """Fewer CPUs than workers: workers share CPUs (the plan says so in its log line)."""
+
+    def describe(self) -> str:
+        """One log line: "placement: router cpu 0; prefill-0 cpu 0 (1 thread); ..."."""
+        parts = [f"router cpus {format_cpus(self.router)}"]
+        for role, pool, gpus in (
+            ("prefill", self.prefill, self.prefill_gpus),
+            ("decode", self.decode, self.decode_gpus),
+        ):
+            for i, cpus in enumerate(pool):
+                gpu = f", gpu {gpus[i]}" if gpus else ""
+                threads = f"{len(cpus)} thread{'s' if len(cpus) > 1 else ''}"
+                parts.append(f"{role}-{i} cpus {format_cpus(cpus)} ({threads}{gpu})")
+        note = " (SHARED: fewer CPUs than workers)" if self.shared else ""
+        return "placement: " + "; ".join(parts) + note
+
+
+def plan_placement(
+    cpus: Sequence[int], num_prefill: int, num_decode: int, gpus: Sequence[int] = ()
+) -> PlacementPlan:
+    """Divide `cpus` so that no CPU serves two workers: the router gets one CPU of its own when
+    there are more CPUs than workers (else it shares the prefill workers' CPUs: prefill runs in
+    bursts, while every decode step is on some stream's critical path); the rest is split
+    evenly in contiguous ranges, one left over going to prefill workers first (prefill is
+    compute-bound; decode at small batches reads weights and KV). With fewer CPUs than workers
+    each worker gets one CPU round-robin and `shared` is set. With `gpus` (CUDA devices), each
+    worker gets one of its own. Raises ValueError when there are fewer GPUs than workers."""
+    cpus = sorted(cpus)
+    workers = num_prefill + num_decode
+    if gpus and len(gpus) < workers:
+        raise ValueError(
+            f"placement: {workers} workers need one GPU each, {len(gpus)} visible "
+            f"({format_cpus(gpus)}); use fewer --num-prefill/--num-decode"
+        )
+    gpu_ids = tuple(gpus[:workers]) if gpus else ()
+    shared = len(cpus) < workers
+    own_router = len(cpus) > workers
+    pools: list[tuple[int, ...]] = []
+    if shared:
+        pools = [(cpus[i % len(cpus)],) for i in range(workers)]
+    else:
+        rest = cpus[1:] if own_router else cpus
+        base, extra = divmod(len(rest), workers)
+        bounds = [i * base + min(i, extra) for i in range(workers + 1)]  # extras go first
+        pools = [tuple(rest[bounds[i] : bounds[i + 1]]) for i in range(workers)]
+    router = (
+        (cpus[0],) if own_router else tuple(sorted({c for p in pools[:num_prefill] for c in p}))
+    )
+    return PlacementPlan(
+        router, tuple(pools[:num_prefill]), tuple(pools[num_prefill:]),
+        gpu_ids[:num_prefill], gpu_ids[num_prefill:], shared,
+    )  # fmt: skip
+
+
+def visible_gpus(environ: Mapping[str, str]) -> list[int]:
+    """CUDA devices this machine shows without importing torch: $CUDA_VISIBLE_DEVICES when set
+    (numeric ids), else the NVIDIA driver's /proc entries (none on a CPU machine)."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [int(x) for x in visible.split(",") if x.strip().isdigit()]
+    root = Path("/proc/driver/nvidia/gpus")
+    return list(range(len(list(root.iterdir())))) if root.is_dir() else []

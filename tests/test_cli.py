@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services import cli, launcher, placement
+from services import cli, launcher
 from services.common.config_json import to_json
 from services.common.errors import ServiceUnavailableError
 from services.common.pb import generate_pb2, generate_pb2_grpc
@@ -312,46 +312,6 @@ def test_serve_rejects_bad_flags_before_starting_anything(capsys, argv, flag):
     assert cli.main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"pdserve: error: {flag}: ") and err.count("\n") == 1
-
-
-# --- CPU placement -------------------------------------------------------------------------
-
-
-def test_parse_cpu_list():
-    allowed = sorted(os.sched_getaffinity(0))
-    first = allowed[0]
-    assert placement.parse_cpu_list(str(first)) == [first]
-    assert placement.parse_cpu_list(f"{first}-{first}") == [first]
-    if len(allowed) >= 2 and allowed[1] == first + 1:
-        assert placement.parse_cpu_list(f"{first},{first + 1}") == [first, first + 1]
-        assert placement.parse_cpu_list(f"{first}-{first + 1}") == [first, first + 1]
-        assert placement.parse_cpu_list(f" {first + 1} , {first}") == [first, first + 1]
-
-
-@pytest.mark.parametrize("text", ["", "a", "0,,1", "1-0", "-1", "0-", "0:1", "99999"])
-def test_parse_cpu_list_rejects_bad_input(text):
-    with pytest.raises(ValueError, match=r"^--cpus: "):
-        placement.parse_cpu_list(text)
-
-
-def test_apply_cpu_placement():
-    import torch
-
-    allowed, num_threads = os.sched_getaffinity(0), torch.get_num_threads()
-    try:
-        assert placement.apply_cpu_placement(None, None) is None
-        cpus = ",".join(str(c) for c in sorted(allowed))
-        assert placement.apply_cpu_placement(None, cpus) == sorted(allowed)
-        assert os.sched_getaffinity(0) == allowed and torch.get_num_threads() == len(allowed)
-        placement.apply_cpu_placement(1, None)
-        assert torch.get_num_threads() == 1
-        with pytest.raises(ValueError, match=r"^--threads: "):
-            placement.apply_cpu_placement(0, None)
-        with pytest.raises(ValueError, match=r"^--cpus: "):
-            placement.apply_cpu_placement(None, "0-x")
-    finally:
-        os.sched_setaffinity(0, allowed)
-        torch.set_num_threads(num_threads)
 
 
 def test_worker_command_reports_bad_cpus_in_one_line(capsys):

@@ -21,12 +21,14 @@ from services.common.config import (
 )
 from services.engine.config import EngineConfig
 from services.flags import flag
+from services.placement import PlacementPlan, format_cpus
 
 W = TypeVar("W", bound=WorkerConfig)
 _WORKER_ONLY = ("role", "engine_id")  # set per worker, never a flag
 
 
 _POOL = ("engine", "host", "port", "metrics_port")
+PLACEMENTS = ("auto", "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,7 +39,7 @@ class ClusterConfig:
     """The engine every worker runs (each in its own role, with its own engine_id)."""
     router: RouterConfig = field(
         default_factory=lambda: RouterConfig(http_port=DEFAULT_HTTP_PORT),
-        metadata=flag(exclude=("model", "max_model_len", "prefill", "decode", "index")),
+        metadata=flag(exclude=("model", "max_model_len", "prefill", "decode", "index", "cpus")),
     )
     """The router; its host is every service's, its model and limits are the engine's."""
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
@@ -58,6 +60,11 @@ class ClusterConfig:
     """Decode workers."""
     start_timeout: float = 120.0
     """Seconds each service may take to become ready."""
+    placement: str = field(default="auto", metadata=flag(choices=PLACEMENTS))
+    """auto: give each worker CPUs of its own (and one GPU each on CUDA) and the router one CPU
+    when there is one to spare, threads to match (`services/placement.py`; the plan is logged);
+    none: leave every process unpinned with torch's default threads. A pool's --*-cpus or
+    --*-threads wins over the plan."""
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode"):
@@ -69,6 +76,12 @@ class ClusterConfig:
             "start_timeout",
             "must be > 0 seconds",
             self.start_timeout,
+        )
+        _check(
+            self.placement in PLACEMENTS,
+            "placement",
+            f"expected one of {PLACEMENTS}",
+            self.placement,
         )
         self._check_derived()
 
@@ -86,19 +99,23 @@ class ClusterConfig:
         if self.prefill.index != PrefixIndexConfig():
             raise ValueError("prefill.index: set by the cluster; set `index` instead")
         defaults = RouterConfig()
-        for name in ("model", "max_model_len", "prefill", "decode", "index"):
+        for name in ("model", "max_model_len", "prefill", "decode", "index", "cpus"):
             if getattr(self.router, name) != getattr(defaults, name):
                 raise ValueError(
-                    f"router.{name}: set by the cluster (from engine, index and the workers)"
+                    f"router.{name}: set by the cluster (from engine, index, the workers and "
+                    "the placement)"
                 )
 
-    def prefill_config(self, index: int) -> PrefillConfig:
-        """The config of prefill worker `index` (free ports, its own engine id, the index)."""
-        return dataclasses.replace(self._member(self.prefill, index), index=self.index)
+    def prefill_config(self, index: int, plan: PlacementPlan | None = None) -> PrefillConfig:
+        """The config of prefill worker `index` (free ports, its own engine id, the index, its
+        CPUs from `plan` unless the pool names its own)."""
+        worker = dataclasses.replace(self._member(self.prefill, index), index=self.index)
+        return _placed(worker, plan.prefill[index] if plan else None)
 
-    def decode_config(self, index: int) -> DecodeConfig:
-        """The config of decode worker `index` (free ports, its own engine id)."""
-        return self._member(self.decode, index)
+    def decode_config(self, index: int, plan: PlacementPlan | None = None) -> DecodeConfig:
+        """The config of decode worker `index` (free ports, its own engine id, its CPUs from
+        `plan` unless the pool names its own)."""
+        return _placed(self._member(self.decode, index), plan.decode[index] if plan else None)
 
     def _member(self, worker: W, index: int) -> W:
         """Pool member `index`: the cluster's engine under a fresh engine id, on free ports of
@@ -109,13 +126,23 @@ class ClusterConfig:
             worker, engine=engine, host=self.router.host, port=0, metrics_port=0
         )
 
-    def router_config(self, prefill: list[str], decode: list[str]) -> RouterConfig:
-        """The router's config, pointed at the workers' gRPC addresses."""
+    def router_config(
+        self, prefill: list[str], decode: list[str], plan: PlacementPlan | None = None
+    ) -> RouterConfig:
+        """The router's config, pointed at the workers' gRPC addresses, on `plan`'s CPUs."""
         return dataclasses.replace(
             self.router,
+            cpus=format_cpus(plan.router) if plan else None,
             model=self.engine.model,
             max_model_len=self.engine.max_model_len,
             index=self.index,
             prefill=tuple(prefill),
             decode=tuple(decode),
         )
+
+
+def _placed(worker: W, cpus: tuple[int, ...] | None) -> W:
+    """`worker` on `cpus` (threads follow: one per CPU), unless its pool named CPUs itself."""
+    if cpus is None or worker.cpus is not None:
+        return worker
+    return dataclasses.replace(worker, cpus=format_cpus(cpus))

@@ -111,6 +111,8 @@ class RouterConfig:
     /health and /metrics stay open (default: $PDSERVE_API_KEY, else none)."""
     http: HttpConfig = field(default_factory=HttpConfig)
     """The HTTP API's limits and timeouts."""
+    cpus: str | None = None
+    """CPU affinity, e.g. 0 or 0-1 (default: not pinned; `pdserve serve` sets its plan's)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -155,6 +157,8 @@ class RouterConfig:
             "<hidden>",
         )
         _check(isinstance(self.http, HttpConfig), "http", "must be an HttpConfig", self.http)
+        if self.cpus is not None:
+            parse_cpu_list(self.cpus, flag="cpus")
 
 
 def with_env_api_key(config: RouterConfig, environ: typing.Mapping[str, str]) -> RouterConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.server import RunningService, wait_for_termination
 from services.engine.config import EngineConfig
 from services.engine.outputs import RequestOutput
+from services.placement import format_cpus
 
 W = TypeVar("W", bound=WorkerConfig)
 
@@ -31,9 +33,16 @@ logger = logging.getLogger(__name__)
 
 def effective_config(config: W, engine: EngineConfig, service: RunningService) -> W:
     """What a started worker runs with: its engine's resolved config (role, max_model_len,
-    events) and the ports it bound."""
+    events), the ports it bound, its torch threads and the CPUs it may run on."""
+    import torch  # loaded already: the engine runs on it
+
     return dataclasses.replace(
-        config, engine=engine, port=service.port, metrics_port=service.metrics_port
+        config,
+        engine=engine,
+        port=service.port,
+        metrics_port=service.metrics_port,
+        threads=torch.get_num_threads(),
+        cpus=format_cpus(sorted(os.sched_getaffinity(0))),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ import grpc
 import pytest
 
 from services.common.pb import common_pb2, generate_pb2
+from services.placement import format_cpus, plan_placement
 from services.router.stats import LEGS
 from tests.e2e.cluster import generate, generation_stub, pid_alive, scrape, start, worker_info
 from tests.reference import assert_equivalent, hf_greedy
@@ -330,3 +332,17 @@ def _leg_count(url: str, leg: str) -> float:
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     prefix = f'pdserve_request_leg_seconds_count{{role="router",leg="{leg}"}} '
     return next(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def test_every_child_runs_on_its_planned_cpus_with_threads_to_match(cluster):
+    """`pdserve serve`'s default placement, as running: each child's allowed CPUs are its
+    plan's, and each worker runs one torch thread per CPU (its GetInfo's effective config)."""
+    plan = plan_placement(sorted(os.sched_getaffinity(0)), 1, 1)
+    planned = {"router": plan.router, "prefill": plan.prefill[0], "decode": plan.decode[0]}
+    for service in cluster.ready["services"]:
+        role = service["role"]
+        assert sorted(os.sched_getaffinity(service["pid"])) == list(planned[role]), role
+        if role != "router":
+            config = json.loads(worker_info(service["grpc"], role).config_json)
+            assert config["threads"] == len(planned[role]), (role, config)
+            assert config["cpus"] == format_cpus(planned[role])

@@ -33,6 +33,7 @@ DERIVED = {
     "router.prefill",
     "router.decode",
     "router.index",
+    "router.cpus",
     *(
         f"{pool}.{name}"
         for pool in ("prefill", "decode")
@@ -89,6 +90,7 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         num_prefill=2,
         num_decode=2,
         start_timeout=110.0,
+        placement="none",
     )
 
 
