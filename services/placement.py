@@ -107,15 +107,18 @@ class PlacementPlan:
 def plan_placement(
     cpus: Sequence[int], num_prefill: int, num_decode: int, gpus: Sequence[int] = ()
 ) -> PlacementPlan:
-    """Divide `cpus` so that no CPU serves two workers: the router gets one CPU of its own when
-    there are more CPUs than workers (else it shares the prefill workers' CPUs: prefill runs in
-    bursts, while every decode step is on some stream's critical path); the rest is split
-    evenly in contiguous ranges, one left over going to prefill workers first (prefill is
-    compute-bound; decode at small batches reads weights and KV). With fewer CPUs than workers
-    each worker gets one CPU round-robin and `shared` is set. With `gpus` (CUDA devices), each
-    worker gets one of its own. Raises ValueError when there are fewer GPUs than workers."""
+    """Divide `cpus` so that no CPU serves two workers. The router gets one CPU of its own when
+    there are at least two more CPUs than workers; else it shares the prefill workers' CPUs
+    (prefill runs in bursts, while every decode step is on some stream's critical path), or the
+    decode workers' when there is no prefill worker. The rest is split evenly in contiguous
+    ranges, CPUs left over going to prefill workers first (prefill is compute-bound; decode at
+    small batches reads weights and KV). With fewer CPUs than workers each worker gets one CPU
+    round-robin and `shared` is set. With `gpus` (CUDA devices), each worker gets one of its
+    own. Raises ValueError when there are fewer GPUs than workers or no decode worker."""
     cpus = sorted(cpus)
     workers = num_prefill + num_decode
+    if num_decode < 1 or num_prefill < 0:
+        raise ValueError(f"placement: needs a decode worker, got {num_prefill}P + {num_decode}D")
     if gpus and len(gpus) < workers:
         raise ValueError(
             f"placement: {workers} workers need one GPU each, {len(gpus)} visible "
@@ -123,7 +126,7 @@ def plan_placement(
         )
     gpu_ids = tuple(gpus[:workers]) if gpus else ()
     shared = len(cpus) < workers
-    own_router = len(cpus) > workers
+    own_router = len(cpus) >= workers + 2
     pools: list[tuple[int, ...]] = []
     if shared:
         pools = [(cpus[i % len(cpus)],) for i in range(workers)]
@@ -132,9 +135,8 @@ def plan_placement(
         base, extra = divmod(len(rest), workers)
         bounds = [i * base + min(i, extra) for i in range(workers + 1)]  # extras go first
         pools = [tuple(rest[bounds[i] : bounds[i + 1]]) for i in range(workers)]
-    router = (
-        (cpus[0],) if own_router else tuple(sorted({c for p in pools[:num_prefill] for c in p}))
-    )
+    sharing = pools[:num_prefill] or pools  # no prefill worker (colocated): the decode CPUs
+    router = (cpus[0],) if own_router else tuple(sorted({c for p in sharing for c in p}))
     return PlacementPlan(
         router, tuple(pools[:num_prefill]), tuple(pools[num_prefill:]),
         gpu_ids[:num_prefill], gpu_ids[num_prefill:], shared,

@@ -72,18 +72,18 @@ def _check_plan(plan: PlacementPlan, cpus: list[int], num_prefill: int, num_deco
     assert all(workers) and set(used) <= set(cpus)
     sizes = [len(w) for w in workers]
     assert max(sizes) - min(sizes) <= 1  # an even split
-    if len(cpus) > len(workers):
+    assert set(used) | set(plan.router) == set(cpus)  # no CPU left idle
+    if len(cpus) >= len(workers) + 2:
         assert len(plan.router) == 1 and not set(plan.router) & set(used)
-        assert set(used) | set(plan.router) == set(cpus)  # no CPU left idle
-    else:
-        assert set(plan.router) == {c for w in plan.prefill for c in w}
+    else:  # it shares the prefill workers' CPUs (the decode workers' when colocated)
+        assert set(plan.router) == {c for w in plan.prefill or plan.decode for c in w}
     line = plan.describe()
     for i, w in enumerate(plan.decode):  # the log line says each worker's CPUs and threads
         assert f"decode-{i} cpus {format_cpus(w)} ({len(w)} thread" in line
 
 
 @pytest.mark.parametrize("num_cpus", [2, 4, 8, 64])
-@pytest.mark.parametrize("pools", [(1, 1), (1, 2), (2, 1), (2, 2), (3, 5)])
+@pytest.mark.parametrize("pools", [(1, 1), (1, 2), (2, 1), (2, 2), (3, 5), (0, 1), (0, 3)])
 def test_no_cpu_serves_two_workers(num_cpus, pools):
     """The plan's properties for 2, 4, 8 and 64 CPUs (offset ids, as a cgroup may give)."""
     cpus = list(range(8, 8 + num_cpus))

@@ -55,7 +55,7 @@ class ClusterConfig:
     )
     """Settings of each decode worker (flags --decode-*)."""
     num_prefill: int = 1
-    """Prefill workers."""
+    """Prefill workers (0 with --disaggregation never: the colocated mode)."""
     num_decode: int = 1
     """Decode workers."""
     start_timeout: float = 120.0
@@ -69,8 +69,16 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode"):
             value = getattr(self, name)
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-            _check(ok, name, "must be >= 1", value)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            _check(ok, name, "must be an integer >= 0", value)
+        _check(self.num_decode >= 1, "num_decode", "must be >= 1", self.num_decode)
+        _check(
+            self.num_prefill >= 1 or self.router.disaggregation == "never",
+            "num_prefill",
+            "must be >= 1 unless --disaggregation never (every prompt prefilled on its decode "
+            "worker)",
+            self.num_prefill,
+        )
         _check(
             _is_number(self.start_timeout) and self.start_timeout > 0,
             "start_timeout",

@@ -23,6 +23,7 @@ from services.flags import flag
 from services.placement import parse_cpu_list
 
 ROUTING_POLICIES = ("kv", "least_loaded", "round_robin")
+DISAGGREGATION_MODES = ("auto", "always", "never")
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
 API_KEY_ENV = "PDSERVE_API_KEY"  # the router's api_key when its config sets none
@@ -106,6 +107,13 @@ class RouterConfig:
     max_num_seqs); more get RESOURCE_EXHAUSTED / 429 with Retry-After at once, never a wait."""
     max_n: int = 16
     """Most sequences one request may ask for (OpenAI's `n`), per prompt."""
+    disaggregation: str = field(default="auto", metadata=flag(choices=DISAGGREGATION_MODES))
+    """auto: prefill on the decode worker when the prompt's uncached part is at most
+    max_local_prefill_tokens, else on the prefill pool; always: every prompt on the prefill
+    pool; never: every prompt on its decode worker (colocated; no prefill worker needed)."""
+    max_local_prefill_tokens: int = 64
+    """auto: longest uncached prompt (tokens) prefilled on the decode worker (README: the
+    crossover benchmark behind this default)."""
     api_key: str | None = field(default=None, repr=False)
     """Clients must send it (HTTP `Authorization: Bearer KEY`, gRPC metadata `authorization`);
     /health and /metrics stay open (default: $PDSERVE_API_KEY, else none)."""
@@ -146,7 +154,17 @@ class RouterConfig:
         if self.max_model_len is not None:
             ok = isinstance(self.max_model_len, int) and self.max_model_len >= 1
             _check(ok, "max_model_len", "must be an integer >= 1", self.max_model_len)
-        for name, low in (("max_queued_requests", 0), ("max_n", 1)):
+        _check(
+            self.disaggregation in DISAGGREGATION_MODES,
+            "disaggregation",
+            f"expected one of {DISAGGREGATION_MODES}",
+            self.disaggregation,
+        )
+        for name, low in (
+            ("max_queued_requests", 0),
+            ("max_n", 1),
+            ("max_local_prefill_tokens", 0),
+        ):
             value = getattr(self, name)
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
             _check(ok, name, f"must be an integer >= {low}", value)

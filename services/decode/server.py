@@ -1,14 +1,18 @@
 """Decode worker process: a gRPC adapter around an engine in DECODE role.
 
-Each Decode call names a prefill worker's KV handle. The RPC thread handshakes with that worker
-(once per prefill engine), the engine reserves the request's blocks (or queues it, bounded), the
-RPC thread pulls the prompt KV it lacks over gRPC (4 MiB chunks, within `--kv-transfer-timeout`)
-while the engine keeps stepping the running batch, and the engine then loads it, releases the
-prefill pin, joins the batch and streams one token per step. Failures end the call with a clear
-status: FAILED_PRECONDITION (layouts differ), RESOURCE_EXHAUSTED (too many wait for blocks),
-DEADLINE_EXCEEDED (the KV did not arrive in time), UNAVAILABLE naming the prefill worker in the
-`pdserve-failed-peer` trailer (it died or lost the KV: the router retries elsewhere). A cancelled
-or failed call frees the request's blocks at once.
+Each Decode call names a prefill worker's KV handle (or none: the local path below). The RPC
+thread handshakes with that worker (once per prefill engine), the engine reserves the request's
+blocks (or queues it, bounded), the RPC thread pulls the prompt KV it lacks over gRPC (4 MiB
+chunks, within `--kv-transfer-timeout`) while the engine keeps stepping the running batch, and
+the engine then loads it, releases the prefill pin, joins the batch and streams one token per
+step. Failures end the call with a clear status: FAILED_PRECONDITION (layouts differ),
+RESOURCE_EXHAUSTED (too many wait for blocks), DEADLINE_EXCEEDED (the KV did not arrive in
+time), UNAVAILABLE naming the prefill worker in the `pdserve-failed-peer` trailer (it died or
+lost the KV: the router retries elsewhere). A cancelled or failed call frees the request's
+blocks at once.
+
+A Decode call without a KV handle is the local path of conditional disaggregation: this worker
+prefills the prompt itself, chunked into its running batch's steps, and streams every token.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from services.common.worker import (
 )
 from services.engine import Engine
 from services.engine.errors import InvalidRequestError, KVHandshakeError, KVTransferError
-from services.engine.outputs import KVReserved
+from services.engine.outputs import KVReserved, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +67,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 self.num_streams -= 1
 
     def _decode(self, request, context):
-        if not request.request_id or not request.HasField("kv_handle"):
-            raise InvalidRequestError(
-                "kv_handle", "a decode request needs request_id and the prefill's kv_handle"
-            )
-        handle, source = handle_from_proto(request.kv_handle)
+        if not request.request_id:
+            raise InvalidRequestError("request_id", "a decode request needs a request_id")
         params = sampling_from_proto(request.sampling)
         prompt_ids, salt = list(request.prompt_token_ids), cache_salt(request.cache_salt)
         request_id = request.request_id
+        if not request.HasField("kv_handle"):
+            yield from self._prefill_here(request_id, prompt_ids, params, salt, context)
+            return
+        handle, source = handle_from_proto(request.kv_handle)
         self.transfer.set_source(request_id, source)  # its lease is renewed from now on
         try:
             self.transfer.connect(
@@ -86,20 +91,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     continue
                 if out.finish_reason in ("error", "kv_timeout"):
                     raise self._kv_failure(request_id, source, out.finish_reason)
-                reply = worker_pb2.DecodeResponse(
-                    # Ended at admission: only the prefill's first token, nothing new.
-                    token_ids=out.new_token_ids if len(out.output_token_ids) > 1 else [],
-                    finish_reason=out.finish_reason if out.finished else "",
-                    kv_transfer_seconds=0.0
-                    if landed
-                    else self.transfer.pull_seconds.get(request_id, 0.0),
-                    num_cached_tokens=out.num_cached_tokens,
-                    logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
-                )
-                if not landed and out.metrics is not None:
-                    reply.queue_seconds = out.metrics.time_in_queue
-                    reply.compute_seconds = out.metrics.time_to_first_token
-                yield reply
+                # Ended at admission: only the prefill's first token, nothing new.
+                new = out.new_token_ids if len(out.output_token_ids) > 1 else []
+                pulled = 0.0 if landed else self.transfer.pull_seconds.get(request_id, 0.0)
+                yield _reply(out, new, first=not landed, kv_transfer_seconds=pulled)
                 landed = True
                 if out.finished:
                     return
@@ -114,6 +109,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 # never landed, tells the prefill worker to unpin.
                 self.loop.abort(request_id)
             self.transfer.forget(request_id)
+
+    def _prefill_here(self, request_id: str, prompt_ids, params, salt, context):
+        """The local path: no KV handle, so this engine prefills the prompt itself (chunked into
+        the running batch's steps); the replies carry every token, the first one included."""
+        try:
+            stream = self.loop.submit(request_id, prompt_ids, params, cache_salt=salt)
+            first = True
+            while (out := next_output(stream, context)) is not None:
+                yield _reply(out, out.new_token_ids, first)
+                first = False
+                if out.finished:
+                    return
+        finally:
+            with contextlib.suppress(ShuttingDownError):
+                self.loop.abort(request_id)  # no-op once finished; frees blocks on a cancel
 
     def _write_kv(self, handle, reserved: KVReserved, context) -> None:
         """Pull the prompt KV the local prefix cache lacks straight into the reserved blocks
@@ -147,6 +157,24 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
     def GetInfo(self, request, context):
         return worker_info(self.loop, self.config)
+
+
+def _reply(
+    out: RequestOutput, token_ids: list[int], first: bool, kv_transfer_seconds: float = 0.0
+) -> worker_pb2.DecodeResponse:
+    """One Decode message for `out`; the `first` carries the KV pull's seconds, the prefix-cache
+    hit and, once the engine sampled its first token, its queue and compute seconds."""
+    reply = worker_pb2.DecodeResponse(
+        token_ids=token_ids,
+        finish_reason=out.finish_reason if out.finished else "",
+        kv_transfer_seconds=kv_transfer_seconds,
+        num_cached_tokens=out.num_cached_tokens,
+        logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
+    )
+    if first and out.metrics is not None:
+        reply.queue_seconds = out.metrics.time_in_queue
+        reply.compute_seconds = out.metrics.time_to_first_token
+    return reply
 
 
 def start_decode(config: DecodeConfig) -> RunningWorker:

@@ -86,8 +86,6 @@ class RequestChecker:
         check_token_ids(list(params.stop_token_ids), self.vocab_size, "stop_token_ids")
         check_token_ids([t for t, _ in params.logit_bias], self.vocab_size, "logit_bias")
         role = self.config.role
-        if role == EngineRole.DECODE and kv_handle is None:
-            raise InvalidRequestError("kv_handle", "a DECODE engine needs the prompt's KV handle")
         if role != EngineRole.DECODE and kv_handle is not None:
             raise InvalidRequestError(
                 "kv_handle", f"a {role.name} engine computes its own prompt KV"

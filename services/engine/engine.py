@@ -100,8 +100,10 @@ class Engine:
     ) -> str:
         """Queue a request; returns its id.
 
-        DECODE role: `kv_handle` (required) says where the prompt's KV and first token are; the
-        request reserves its blocks now (or queues for them) and runs once its KV is loaded.
+        DECODE role: `kv_handle` says where the prompt's KV and first token are; the request
+        reserves its blocks now (or queues for them) and runs once its KV is loaded. Without
+        one, the engine prefills the prompt itself, chunked into the running batch's steps
+        (conditional disaggregation's local path, as llm-d and Dynamo route short prompts).
         `cache_salt`: requests share cached prefix blocks only with requests of the same salt
         (vLLM's `cache_salt`: isolates tenants from each other's prefix-cache timing).
         Raises InvalidRequestError (empty or too-long prompt, unknown token ids, duplicate id,

@@ -50,9 +50,13 @@ class GenerateFlow:
         request_timeout: float = RouterConfig.request_timeout,
         routing: Routing | None = None,
         max_queued_requests: int = RouterConfig.max_queued_requests,
+        disaggregation: str = RouterConfig.disaggregation,
+        max_local_prefill_tokens: int = RouterConfig.max_local_prefill_tokens,
     ) -> None:
         if not request_timeout > 0:
             raise ValueError(f"request_timeout: must be > 0 seconds, got {request_timeout!r}")
+        self.disaggregation = disaggregation
+        self.max_local_prefill_tokens = max_local_prefill_tokens
         self.model = model
         self.pool = pool
         self.request_timeout = request_timeout
@@ -61,6 +65,17 @@ class GenerateFlow:
         self.admission = AdmissionGate(
             pool.decode_slots, max_queued_requests, lambda: pool.decode_slots(healthy_only=False)
         )
+
+    def path_for(self, num_prompt_tokens: int) -> str:
+        """ "local" (prefill on the decode worker) or "remote" (on the prefill pool) for a prompt
+        (`--disaggregation`). The router has no view of the decode workers' prefix caches, so
+        `auto` counts the whole prompt as uncached: a long prompt whose prefix a decode worker
+        holds still goes to the prefill pool (whose cache the index does see)."""
+        if self.disaggregation == "never":
+            return "local"
+        if self.disaggregation == "always":
+            return "remote"
+        return "local" if num_prompt_tokens <= self.max_local_prefill_tokens else "remote"
 
     def deadline_for(self, time_remaining: float | None) -> float:
         """Absolute `time.monotonic()` deadline for a client with `time_remaining` seconds left

@@ -68,8 +68,15 @@ class RequestRun:
     def responses(self) -> Iterator[generate_pb2.GenerateResponse]:
         self.stats.on_started()
         prepared = self._prepare()
-        self.stats.on_path("remote")
+        self.stats.on_path(self.flow.path_for(len(prepared.prompt_token_ids)))
         text = TextStream(self.flow.model.tokenizer, prepared.prompt_token_ids, prepared.stop)
+        if self.stats.path == "local":  # the decode worker prefills it: no KV to ship
+            try:
+                yield from self._decode(prepared, None, text)
+            finally:
+                if self.siblings is not None and self.leader:
+                    self.siblings.ended()
+            return
         prefill = self._prefill(prepared)
         self.handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
         try:  # from here on the prefill worker may hold pinned KV for this request
@@ -225,9 +232,10 @@ class RequestRun:
         return response
 
     def _decode(
-        self, prepared: PreparedRequest, handle: common_pb2.KVHandle, text: TextStream
+        self, prepared: PreparedRequest, handle: common_pb2.KVHandle | None, text: TextStream
     ) -> Iterator[generate_pb2.GenerateResponse]:
-        """Streams the Decode RPC's tokens through `text` until a finish_reason or stop string."""
+        """Streams the Decode RPC's tokens through `text` until a finish_reason or stop string;
+        without a `handle`, the decode worker prefills the prompt itself (the local path)."""
         prefer = None
         if self.siblings is not None and not self.leader:
             prefer = self.siblings.decode_worker(self._remaining())
@@ -246,7 +254,11 @@ class RequestRun:
             self.flow.routing.decode_done(address)
 
     def _stream_decode(
-        self, prepared: PreparedRequest, handle: common_pb2.KVHandle, text: TextStream, address: str
+        self,
+        prepared: PreparedRequest,
+        handle: common_pb2.KVHandle | None,
+        text: TextStream,
+        address: str,
     ) -> Iterator[generate_pb2.GenerateResponse]:
         stub = self.flow.pool.decode_stub(address)
         message = worker_pb2.DecodeRequest(
@@ -261,11 +273,16 @@ class RequestRun:
         self.stats.on_decode_started()
         try:
             for reply in call:
-                if not self.kv_landed:
+                if not self.kv_landed:  # the prompt's KV is in the decode worker's cache now
                     self.kv_landed = True
-                    self.stats.on_first_decode(reply.kv_transfer_seconds, reply.compute_seconds)
+                    if handle is None:  # this reply carries the first token
+                        self.stats.on_local_prefill(reply.compute_seconds, reply.num_cached_tokens)
+                    else:
+                        self.stats.on_first_decode(reply.kv_transfer_seconds, reply.compute_seconds)
                     if self.siblings is not None and self.leader:
                         self.siblings.landed(address)
+                elif self.stats.first_decode_at is None and reply.token_ids:
+                    self.stats.on_local_first_decode()
                 delta = text.add(list(reply.token_ids))
                 if delta.stopped:
                     call.cancel()  # the decode worker frees the request's blocks now

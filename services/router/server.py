@@ -88,7 +88,15 @@ def build_flow(config: RouterConfig) -> GenerateFlow:
     model = ModelInfo.load(config.model, config.max_model_len)
     pool = WorkerPool(config.prefill, config.decode)
     routing = Routing(pool, config.routing, config.index.redis_url, config.index.index_ttl)
-    return GenerateFlow(model, pool, config.request_timeout, routing, config.max_queued_requests)
+    return GenerateFlow(
+        model,
+        pool,
+        config.request_timeout,
+        routing,
+        config.max_queued_requests,
+        config.disaggregation,
+        config.max_local_prefill_tokens,
+    )
 
 
 def start_router(config: RouterConfig) -> RunningRouter:

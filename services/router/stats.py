@@ -112,6 +112,20 @@ class RequestStats:
         self.decode_queue = max(0.0, now - self.decode_start - kv_transfer - step_seconds)
         metrics.KV_TRANSFER_TIME.labels(ROLE).observe(kv_transfer)
 
+    def on_local_prefill(self, compute_seconds: float, cached_tokens: int) -> None:
+        """The local path's first Decode reply (the first token) arrived; its decode worker
+        spent `compute_seconds` prefilling (from first scheduled to that token)."""
+        assert self.decode_start is not None  # on_decode_started came first
+        self.prefill_queue = max(0.0, time.monotonic() - self.decode_start - compute_seconds)
+        self.prefill, self.cached_tokens = compute_seconds, cached_tokens
+
+    def on_local_first_decode(self) -> None:
+        """The local path's second token arrived: its step is the first decode step (measured
+        here, from the first token's arrival; no decode queue, no KV transfer)."""
+        now = time.monotonic()
+        self.first_decode_step = now - (self.first_token_at or now)
+        self.first_decode_at = now
+
     def on_tokens_sent(self, num_tokens: int) -> None:
         """Called just before a message carrying `num_tokens` (> 0) new tokens is handed over."""
         now = time.monotonic()

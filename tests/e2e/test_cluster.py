@@ -27,8 +27,9 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def cluster():
     proc = start(
-        "serve", "--port", "0", "--http-port", "0", "--num-prefill", "1", "--num-decode", "1"
-    )
+        "serve", "--port", "0", "--http-port", "0", "--num-prefill", "1", "--num-decode", "1",
+        "--disaggregation", "always",  # every prompt over the KV transfer (the local path: below)
+    )  # fmt: skip
     yield proc
     assert proc.stop() == 0
     deadline = time.monotonic() + 10
@@ -185,6 +186,8 @@ def test_zeroed_transferred_block_changes_the_output(cluster, real_text_ids):
     decode = start("decode", "--port", "0", "--metrics-port", "0", "--debug-zero-kv-block", "1")
     router = start(
         "router",
+        "--disaggregation",
+        "always",
         "--port",
         "0",
         "--metrics-port",
@@ -330,7 +333,7 @@ def test_the_legs_add_up_to_the_client_measured_ttft_and_e2e(cluster, real_text_
 
 def _leg_count(url: str, leg: str) -> float:
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    prefix = f'pdserve_request_leg_seconds_count{{role="router",leg="{leg}"}} '
+    prefix = f'pdserve_request_leg_seconds_count{{leg="{leg}",role="router"}} '
     return next(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
 
 
@@ -346,3 +349,59 @@ def test_every_child_runs_on_its_planned_cpus_with_threads_to_match(cluster):
             config = json.loads(worker_info(service["grpc"], role).config_json)
             assert config["threads"] == len(planned[role]), (role, config)
             assert config["cpus"] == format_cpus(planned[role])
+
+
+def _final(
+    stub, prompt: list[int], max_tokens: int
+) -> tuple[list[int], generate_pb2.GenerateResponse]:
+    token_ids, final = [], None
+    request = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt), sampling=_sampling(max_tokens)
+    )
+    for msg in stub.Generate(request, timeout=120):
+        token_ids += list(msg.token_ids)
+        final = msg
+    return token_ids, final
+
+
+def test_short_prompts_prefill_on_the_decode_worker_with_the_remote_paths_output(
+    cluster, default_model, real_text_ids
+):
+    """Conditional disaggregation: a router in `auto` over the same workers prefills a prompt
+    of at most --max-local-prefill-tokens on the decode worker (mixed into its steps) and a
+    longer one on the prefill pool; each path is counted and shown in the timings; the local
+    path's greedy tokens equal the remote path's and transformers'; no block stays behind."""
+    auto = start(
+        "router", "--port", "0",
+        "--prefill", _service(cluster, "prefill")["grpc"],
+        "--decode", _service(cluster, "decode")["grpc"],
+        "--max-local-prefill-tokens", "48",
+    )  # fmt: skip
+    try:
+        stub, always = generation_stub(auto.ready["grpc"]), generation_stub(cluster.ready["router"])
+        before = _free_blocks(cluster)
+        short, long = real_text_ids[4000:4048], real_text_ids[4100:4149]
+        local_ids, local = _final(stub, short, 16)
+        remote_ids, remote = _final(always, short, 16)
+        _, long_final = _final(stub, long, 4)
+        assert (local.timings.path, remote.timings.path) == ("local", "remote")
+        assert long_final.timings.path == "remote"
+        assert local.timings.kv_transfer == 0 and local.timings.prefill > 0
+        t = local.timings
+        legs = t.router_queue + t.tokenize + t.prefill_queue + t.prefill
+        assert legs + t.first_decode_step + t.decode == pytest.approx(t.e2e, abs=0.01), t
+        reference = hf_greedy(default_model, short, 16)
+        assert_equivalent(local_ids, reference, "local path")
+        assert_equivalent(remote_ids, reference, "remote path")
+        assert local_ids == remote_ids
+        metrics = auto.ready["metrics"]
+        assert scrape_path(metrics, "local") == 1 and scrape_path(metrics, "remote") == 1
+        assert _wait_for(lambda: _free_blocks(cluster) == before), (_free_blocks(cluster), before)
+    finally:
+        auto.stop()
+
+
+def scrape_path(url: str, path: str) -> float:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    prefix = f'pdserve_requests_total{{path="{path}",role="router"}} '
+    return next(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))

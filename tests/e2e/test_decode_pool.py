@@ -31,6 +31,8 @@ def pool():
     decode = start("decode", "--port", "0", "--num-blocks", str(DECODE_BLOCKS))
     router = start(
         "router",
+        "--disaggregation",
+        "always",
         "--port",
         "0",
         "--prefill",

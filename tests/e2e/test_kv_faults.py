@@ -266,6 +266,8 @@ def stalled_cluster(request, default_model):
     (decode,) = start_all(["decode", "--kv-transfer-timeout", str(kv_timeout)])
     router = start(
         "router",
+        "--disaggregation",
+        "always",
         "--port",
         "0",
         "--routing",
@@ -349,6 +351,8 @@ def test_random_cancels_leave_no_pinned_or_leaked_blocks(default_model, real_tex
     )
     router = start(
         "router",
+        "--disaggregation",
+        "always",
         "--port",
         "0",
         "--prefill",

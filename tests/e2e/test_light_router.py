@@ -51,6 +51,8 @@ def test_router_with_an_empty_cache_serves_without_torch(tmp_path):
     report = tmp_path / "heavy.json"
     argv = [
         "router",
+        "--disaggregation",
+        "always",
         "--port",
         "0",
         "--http-port",

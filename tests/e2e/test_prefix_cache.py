@@ -30,6 +30,8 @@ def cluster():
     decode = start("decode", "--port", "0")
     router = start(
         "router",
+        "--disaggregation",
+        "always",
         "--port",
         "0",
         "--prefill",

@@ -42,6 +42,8 @@ def _start_cluster(redis_url: str):
     decode = start("decode", "--port", "0", "--drain-timeout", "20")
     router = start(
         "router",
+        "--disaggregation",
+        "always",
         "--port",
         "0",
         "--redis-url",

@@ -166,8 +166,34 @@ def test_abort_pinned_request_frees_blocks_and_revokes(tiny_llama):
 
 def test_role_checks(tiny_llama):
     prefill, decode, _ = _pair(tiny_llama)
+    handle = _prefilled(prefill, "a")
     with pytest.raises(InvalidRequestError, match="kv_handle"):
-        decode.add_request([1, 2, 3], SamplingParams())
+        prefill.add_request([7, 8], SamplingParams(), request_id="b", kv_handle=handle)
+
+
+def test_a_decode_engine_prefills_locally_beside_remote_requests(tiny_llama):
+    """Conditional disaggregation's local path: a DECODE engine given no KV handle prefills the
+    prompt itself (chunked, mixed into the running batch's steps) and generates the same greedy
+    tokens as a BOTH engine, while a remote request decodes in the same steps."""
+    prefill, decode, _ = _pair(tiny_llama)
+    decode = make_engine(
+        tiny_llama, role=EngineRole.DECODE, num_blocks=512, max_num_batched_tokens=16,
+        kv_receiver=decode.kv_receiver,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    remote, local = list(range(2, 30)), list(range(40, 80))
+    decode.add_request(remote, params, request_id="r", kv_handle=_prefilled(prefill, "r", remote))
+    decode.add_request(local, params, request_id="l")  # no handle: prefilled here
+    finished, steps = {}, []
+    while decode.has_unfinished_requests():
+        finished |= {o.request_id: o.output_token_ids for o in decode.step() if o.finished}
+        steps.append(dict(decode.last_forward_tokens))
+        decode.check_integrity()
+    assert any(s.get("r") == 1 and s.get("l", 0) > 1 for s in steps)  # mixed in one step
+    reference, _ = run_to_completion(
+        make_engine(tiny_llama, num_blocks=512), {"r": (remote, params), "l": (local, params)}
+    )
+    assert finished == reference
 
 
 def test_abort_on_decode_before_admission_unpins_the_source(tiny_llama):

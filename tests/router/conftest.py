@@ -58,6 +58,7 @@ def cluster(model_info):
         decode=(decode_service.grpc_address,),
         request_timeout=30.0,
         http_port=0,
+        disaggregation="always",  # the fake workers script the remote path
     )
     router = start_router(config)
     yield router, prefill, decode

@@ -22,6 +22,7 @@ from services.common.pb import common_pb2, generate_pb2, worker_pb2, worker_pb2_
 PROMPT = "Hello world"
 COMPLETION = " The answer is 42. STOP here, and then more text follows."
 KV_TRANSFER_SECONDS = 0.25
+COMPUTE_SECONDS = 1e-4  # what each fake worker reports for its first token's compute
 CANCEL_WAIT_S = 10.0
 
 
@@ -80,6 +81,7 @@ class FakePrefill(
             finish_reason=self.finish_reason,
             kv_handle=handle,
             num_cached_tokens=self.cached_tokens,
+            compute_seconds=COMPUTE_SECONDS,
         )
         if request.sampling.HasField("logprobs"):
             response.first_logprob.CopyFrom(_fake_logprob(self.first_token, request))
@@ -132,6 +134,7 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
                 token_ids=ids,
                 finish_reason=self.finish_reason if last else "",
                 kv_transfer_seconds=KV_TRANSFER_SECONDS if i == 0 else 0.0,
+                compute_seconds=COMPUTE_SECONDS if i == 0 else 0.0,
                 logprobs=[
                     _fake_logprob(t, request) for t in ids if request.sampling.HasField("logprobs")
                 ],

@@ -17,6 +17,7 @@ from services.router.generate import GenerateFlow
 from services.router.workers import WorkerPool
 from tests.router.fakes import (
     CANCEL_WAIT_S,
+    COMPUTE_SECONDS,
     KV_TRANSFER_SECONDS,
     PROMPT,
     _completion_ids,
@@ -28,7 +29,7 @@ from tests.router.fakes import (
 
 
 def test_flow_without_workers_is_unavailable(model_info):
-    flow = GenerateFlow(model_info, WorkerPool([], []), request_timeout=5)
+    flow = GenerateFlow(model_info, WorkerPool([], []), request_timeout=5, disaggregation="always")
     with pytest.raises(ServiceUnavailableError):
         list(flow.generate(_request(), flow.deadline_for(None)))
 
@@ -54,7 +55,8 @@ def test_generate_streams_text_usage_and_timings(cluster, stub, tokenizer):
         0,
     )
     assert last.timings.kv_transfer == pytest.approx(KV_TRANSFER_SECONDS)
-    assert 0 < last.timings.ttft <= last.timings.e2e and last.timings.prefill > 0
+    assert 0 < last.timings.ttft <= last.timings.e2e and last.timings.path == "remote"
+    assert last.timings.prefill == last.timings.first_decode_step == COMPUTE_SECONDS
     assert list(prefill.requests[0].prompt_token_ids) == prompt_ids
     assert prefill.requests[0].sampling.max_tokens == len(ids)
     assert decode.requests[0].kv_handle.request_id == prefill.requests[0].request_id
@@ -155,7 +157,7 @@ def test_client_without_deadline_gets_the_request_timeout(cluster, model_info, t
     ids = _completion_ids(tokenizer)
     _script(cluster, ids, endless_token=ids[1])
     router, _, decode = cluster
-    flow = GenerateFlow(model_info, router.flow.pool, request_timeout=0.5)
+    flow = GenerateFlow(model_info, router.flow.pool, request_timeout=0.5, disaggregation="always")
     no_deadline = 9.2e18  # what grpc's time_remaining() reports for a call without a deadline
     assert flow.deadline_for(no_deadline) - time.monotonic() == pytest.approx(0.5, abs=0.1)
     assert flow.deadline_for(3.0) - time.monotonic() == pytest.approx(3.0, abs=0.1)

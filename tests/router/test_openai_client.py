@@ -49,6 +49,7 @@ def _second_router(cluster, model_info, **config):
             prefill=tuple(pool.prefill),
             decode=tuple(pool.decode),
             request_timeout=30.0,
+            disaggregation="always",  # the fake workers script the remote path
             **config,
         )
     )
