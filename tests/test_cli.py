@@ -344,8 +344,18 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             finish_reason="length",
             usage=generate_pb2.Usage(prompt_tokens=3, completion_tokens=3, cached_tokens=1),
             timings=generate_pb2.Timings(
-                ttft=0.5, e2e=1.5, tokenize=0.25, prefill=0.125, kv_transfer=0.0625, decode=1.0
-            ),
+                ttft=0.5,
+                e2e=1.5,
+                tokenize=0.25,
+                prefill=0.125,
+                kv_transfer=0.0625,
+                decode=1.0,
+                router_queue=0.001,
+                prefill_queue=0.0625,
+                decode_queue=0.03125,
+                first_decode_step=0.015625,
+                path="remote",
+            ),  # fmt: skip
         )
 
 
@@ -401,6 +411,11 @@ def test_generate_json(fake_router, capsys):
             "prefill": 0.125,
             "kv_transfer": 0.0625,
             "decode": 1.0,
+            "router_queue": 0.001,
+            "prefill_queue": 0.0625,
+            "decode_queue": 0.03125,
+            "first_decode_step": 0.015625,
+            "path": "remote",
         },
     }
     request = servicer.requests[-1]

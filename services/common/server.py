@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import typing
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.channels import GRPC_OPTIONS
 from services.common.errors import ErrorInterceptor
 from services.common.metrics import start_metrics_server
+from services.common.thread_pool import ElasticThreadPool
 
 # Servers also refuse a port another process already listens on (gRPC sets SO_REUSEPORT by
 # default, which would let two clusters silently share one port and split its clients).
@@ -70,14 +72,19 @@ def start_service(
     """Start a server with the given servicers:
     [(add_XServicer_to_server, servicer, full service name)].
 
-    `max_workers` bounds concurrent RPCs (a streaming call holds a thread for its whole life).
+    `max_workers` bounds concurrent RPCs (a streaming call holds a thread for its whole life);
+    threads idle for a few seconds exit (`thread_pool.py`), so a burst leaves none behind.
     `serving`: health SERVING at once; False starts it NOT_SERVING for "" and every service
     (the server accepts calls, but routers send none) until `RunningService.set_serving()`.
 
     Raises OSError naming `port` or `metrics_port` when one cannot be bound.
     """
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{role}-rpc"),
+        # grpc runs handlers on any Executor; its type stub names ThreadPoolExecutor
+        typing.cast(
+            futures.ThreadPoolExecutor,
+            ElasticThreadPool(max_workers, thread_name_prefix=f"{role}-rpc"),
+        ),
         interceptors=[ErrorInterceptor()],
         options=SERVER_OPTIONS,
     )

@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
+
+from services.common.thread_pool import ElasticThreadPool
 
 T = TypeVar("T")
 _END = object()
 
 
 class FlowThreads:
-    """A pool of at most `max_threads` threads that iterate flows for the event loop."""
+    """A pool of at most `max_threads` threads that iterate flows for the event loop (idle ones
+    exit after a few seconds)."""
 
     def __init__(self, max_threads: int) -> None:
-        self._executor = ThreadPoolExecutor(max_threads, thread_name_prefix="http-flow")
+        self._executor = ElasticThreadPool(max_threads, thread_name_prefix="http-flow")
 
     async def merged(self, sources: Sequence[Iterator[T]]) -> AsyncIterator[tuple[int, T]]:
         """(index of the source, item) for every item of every source, each source iterated on

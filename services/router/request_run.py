@@ -186,11 +186,13 @@ class RequestRun:
             try:
                 response = self._call_prefill(prepared)
             except grpc.RpcError as exc:
-                if attempt == 2 or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                if not self._worker_went_away(exc):
                     raise
                 self.flow.pool.mark_unhealthy(self.prefill_address)
-                if self.flow.pool.healthy_prefill() == [self.prefill_address]:
-                    raise  # no other worker to try
+                if attempt == 2 or self.flow.pool.healthy_prefill() == [self.prefill_address]:
+                    raise ServiceUnavailableError(  # no other worker to try
+                        f"prefill worker {self.prefill_address}: {exc.details()}"
+                    ) from exc
                 continue
             finally:
                 routing.prefill_done(self.prefill_address, num_prompt)
@@ -201,6 +203,16 @@ class RequestRun:
                 self.siblings.prefilled(self.prefill_address)
             return response
         raise AssertionError("unreachable")
+
+    def _worker_went_away(self, exc: grpc.RpcError) -> bool:
+        """UNAVAILABLE (dead, draining), or CANCELLED by the worker's side (a server that is
+        stopping cancels the calls it still has) while this request was not cancelled."""
+        code = exc.code()
+        return code == grpc.StatusCode.UNAVAILABLE or (
+            code == grpc.StatusCode.CANCELLED
+            and not self.scope.cancelled
+            and not isinstance(exc, RequestCancelledError)
+        )
 
     def _call_prefill(self, prepared: PreparedRequest) -> worker_pb2.PrefillResponse:
         stub = self.flow.pool.prefill_stub(self.prefill_address)

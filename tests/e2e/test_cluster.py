@@ -405,3 +405,73 @@ def scrape_path(url: str, path: str) -> float:
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     prefix = f'pdserve_requests_total{{path="{path}",role="router"}} '
     return next(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
+
+
+@pytest.mark.parametrize("api", ["http", "grpc"])
+def test_bench_serve_drives_the_cluster_and_reports_every_request(cluster, tmp_path, api):
+    """`pdserve bench serve` against the real cluster over each API: every request completes
+    with its full output and no cached prompt token, each carries pdserve's timings, its
+    client-side TTFT is at least the router's, and the JSON and plot are written."""
+    out, png = tmp_path / "run.json", tmp_path / "run.png"
+    where = ["--grpc", cluster.ready["router"]]
+    if api == "http":
+        where = ["--base-url", cluster.ready["http"]]
+    subprocess.run(
+        [
+            sys.executable, "-m", "services.cli", "bench", "serve", *where,
+            "--num-prompts", "6", "--random-input-len", "40", "--random-output-len", "6",
+            "--request-rate", "8,16", "--goodput", "ttft:20000", "tpot:5000",
+            "--num-warmups", "2", "--json", str(out), "--plot", str(png), "--no-progress",
+        ],
+        check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    run = json.loads(out.read_text())
+    assert [p["request_rate"] for p in run["points"]] == [8, 16]
+    assert run["goodput"]["request_rate"] == 16 and run["config"]["machine"]["cpus"] >= 1
+    for point in run["points"]:
+        assert point["completed"] == 6 and point["attainment"] == 1.0 and not point["errors"]
+        for r in point["requests"]:
+            assert (r["output_tokens"], r["prompt_len"], r["cached_tokens"]) == (6, 40, 0), r
+            assert r["timings"]["path"] == "remote" and r["ttft"] >= r["timings"]["ttft"]
+            assert len(r["itl"]) >= 1 and r["e2e"] >= r["ttft"]
+    assert png.stat().st_size > 10_000
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+THREADS_ABOVE_IDLE = 8  # after a burst: what each process may keep over its idle count
+
+
+def test_threads_return_to_idle_after_200_streams(cluster, real_text_ids):
+    """200 concurrent streams grow every process's threads (one per stream on the gRPC
+    servers); within seconds of their end each process is back within THREADS_ABOVE_IDLE of
+    its idle count (the pools let idle threads go)."""
+    pids = {s["role"]: s["pid"] for s in cluster.ready["services"]}
+    idle = {role: _threads(pid) for role, pid in pids.items()}
+    stub = generation_stub(cluster.ready["router"])
+    peak: dict[str, int] = dict(idle)
+    outcomes: list[str] = []
+
+    def stream(i: int) -> None:
+        _, _, finish = generate(
+            stub,
+            token_ids=generate_pb2.TokenIds(ids=real_text_ids[i * 7 : i * 7 + 12]),
+            sampling=_sampling(6),
+        )
+        outcomes.append(finish)
+
+    workers = [threading.Thread(target=stream, args=(i,)) for i in range(200)]
+    for w in workers:
+        w.start()
+    while any(w.is_alive() for w in workers):
+        peak = {role: max(peak[role], _threads(pid)) for role, pid in pids.items()}
+        time.sleep(0.2)
+    assert outcomes.count("length") == 200
+    assert peak["decode"] > idle["decode"] + THREADS_ABOVE_IDLE, (idle, peak)  # it did grow
+    assert _wait_for(
+        lambda: all(_threads(pid) <= idle[r] + THREADS_ABOVE_IDLE for r, pid in pids.items()),
+        timeout=20,
+    ), (idle, peak, {r: _threads(pid) for r, pid in pids.items()})

@@ -76,6 +76,8 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         routing="round_robin",
         max_queued_requests=5,
         max_n=4,
+        disaggregation="always",
+        max_local_prefill_tokens=32,
         api_key=KEY,
         http=HttpConfig(
             max_body_bytes=100_000, read_timeout=20.0, keep_alive_timeout=3.0, shutdown_timeout=4.0

@@ -189,7 +189,7 @@ def test_sigkill_stops_routing_within_5s_and_sigterm_drains(redis_server, real_t
             with pytest.raises(grpc.RpcError) as refused:  # no prefill worker takes new work now
                 _generate(cluster.stub, real_text_ids[:40])
             tokens, _, finish = stream.result(timeout=120)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
         assert (len(tokens), finish) == (60, "length")
         assert (
             survivor.process.wait(timeout=60) == 0 and cluster.decode.process.wait(timeout=60) == 0

@@ -4,11 +4,13 @@ Prefill, GetInfo, ReleaseKV."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 
 from services.common.config import PrefillConfig
 from services.common.config_json import from_json
@@ -16,6 +18,7 @@ from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.server import start_service
 from services.engine import EngineConfig
 from services.engine.engine import Engine
+from services.placement import format_cpus
 from services.prefill.server import start_prefill
 from tests.common.test_server import NOT_SERVING, SERVING, health_status
 from tests.e2e.cluster import free_port
@@ -44,8 +47,16 @@ def test_prefill_pins_the_prompt_kv_and_reports_its_config(prefill):
         assert effective.metrics_port != 0
         # the engine as it runs: the worker's role, max_model_len resolved from the model
         assert effective.engine == dataclasses.replace(config.engine_config(), max_model_len=1024)
+        # ... and the threads and CPUs it runs on (this process's: the worker is in-process)
+        assert (effective.threads, effective.cpus) == (
+            torch.get_num_threads(),
+            format_cpus(sorted(os.sched_getaffinity(0))),
+        )
         assert (
-            dataclasses.replace(effective, engine=config.engine, port=0, metrics_port=0) == config
+            dataclasses.replace(
+                effective, engine=config.engine, port=0, metrics_port=0, threads=None, cpus=None
+            )
+            == config
         )
         reply = worker_pb2_grpc.PrefillStub(channel).Prefill(
             worker_pb2.PrefillRequest(

@@ -1,0 +1,149 @@
+"""Sending one benchmark request and timing it: over an OpenAI-compatible HTTP server's streaming
+`/v1/completions` (aiohttp, as `vllm bench serve` sends it, so both systems are driven alike) or
+over pdserve's gRPC `Generate` (grpc.aio).
+
+Timeline rules, as vLLM's benchmark has them: the clock starts when the request is sent; the
+first chunk that carries generated text (HTTP) or token ids (gRPC) gives TTFT; every later such
+chunk adds one ITL gap; the last one gives E2E. Output tokens come from the server's usage (the
+HTTP usage chunk, `stream_options.include_usage`; gRPC's final `usage`), cached prompt tokens
+from `usage.prompt_tokens_details.cached_tokens` (vLLM: `--enable-prompt-tokens-details`) or
+pdserve's `cached_tokens`. A non-200 answer, an in-band error or a broken stream is an error
+named by what happened (`HTTP 429`, `UNAVAILABLE`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from services.bench.dataset import BenchRequest
+from services.bench.stats import RequestResult
+
+Send = Callable[[BenchRequest], Awaitable[RequestResult]]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where requests go: `base_url` (HTTP) or `grpc` (HOST:PORT), the model name to send, and
+    what every request asks for besides its prompt and length."""
+
+    base_url: str | None = None
+    grpc: str | None = None
+    model: str = ""
+    api_key: str | None = None
+    ignore_eos: bool = True
+    timeout_s: float = 600.0
+
+
+class _Timeline:
+    """Arrival times of a request's token-carrying chunks."""
+
+    def __init__(self, result: RequestResult) -> None:
+        self.result = result
+        self.start = time.perf_counter()
+        self.last: float | None = None
+
+    def chunk(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.result.ttft = now - self.start
+        else:
+            self.result.itl.append(now - self.last)
+        self.last = now
+
+    def end(self) -> None:
+        self.result.e2e = (self.last or time.perf_counter()) - self.start
+
+
+def http_sender(target: Target, session: Any) -> Send:
+    """`send(request)` over `session` (an aiohttp.ClientSession) to `target.base_url`."""
+    url = target.base_url.rstrip("/") + "/v1/completions"  # type: ignore[union-attr]
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+
+    async def send(request: BenchRequest) -> RequestResult:
+        body = {
+            "model": target.model,
+            "prompt": request.prompt,
+            "max_tokens": request.output_len,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": target.ignore_eos,
+        }
+        result = RequestResult(prompt_len=request.prompt_len, output_len=request.output_len)
+        timeline = _Timeline(result)
+        try:
+            async with session.post(url, json=body, headers=headers) as response:
+                if response.status != 200:
+                    result.error = f"HTTP {response.status}"
+                    return result
+                async for line in response.content:
+                    _http_event(line, result, timeline)
+            result.ok = not result.error
+        except Exception as exc:  # noqa: BLE001 - a failed request is a data point
+            result.error = type(exc).__name__
+        finally:
+            timeline.end()
+        return result
+
+    return send
+
+
+def _http_event(line: bytes, result: RequestResult, timeline: _Timeline) -> None:
+    """One SSE line of a streamed completion."""
+    line = line.strip()
+    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+        return
+    event = json.loads(line[6:])
+    if "error" in event:
+        result.error = str(event["error"].get("type") or "error")
+        return
+    for choice in event.get("choices") or ():
+        if choice.get("text"):
+            timeline.chunk()
+        if choice.get("timings"):
+            result.timings = choice["timings"]
+    if usage := event.get("usage"):
+        result.output_tokens = usage.get("completion_tokens", 0)
+        details = usage.get("prompt_tokens_details") or {}
+        result.cached_tokens = details.get("cached_tokens") or 0
+
+
+def grpc_sender(target: Target, channel: Any) -> Send:
+    """`send(request)` over `channel` (a grpc.aio channel to `target.grpc`)."""
+    from services.common.convert import timings_to_dict
+    from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc
+
+    stub = generate_pb2_grpc.GenerationStub(channel)
+    metadata = (("authorization", f"Bearer {target.api_key}"),) if target.api_key else None
+
+    async def send(request: BenchRequest) -> RequestResult:
+        message = generate_pb2.GenerateRequest(
+            text=request.prompt,
+            sampling=common_pb2.SamplingParams(
+                max_tokens=request.output_len, temperature=0.0, ignore_eos=target.ignore_eos
+            ),
+        )
+        result = RequestResult(prompt_len=request.prompt_len, output_len=request.output_len)
+        timeline = _Timeline(result)
+        try:
+            call = stub.Generate(message, timeout=target.timeout_s, metadata=metadata)
+            async for reply in call:
+                if reply.token_ids:
+                    timeline.chunk()
+                if reply.finish_reason:
+                    result.output_tokens = reply.usage.completion_tokens
+                    result.cached_tokens = reply.usage.cached_tokens
+                    result.timings = timings_to_dict(reply.timings)
+            result.ok = True
+        except Exception as exc:  # noqa: BLE001 - a failed request is a data point
+            code = getattr(exc, "code", None)
+            result.error = code().name if callable(code) else type(exc).__name__
+        finally:
+            timeline.end()
+        return result
+
+    return send

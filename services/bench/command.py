@@ -1,0 +1,209 @@
+"""`pdserve bench serve`: flags (`vllm bench serve`'s names where it has them) and the run.
+
+    pdserve bench serve --base-url http://127.0.0.1:8000 --request-rate 4 --num-prompts 128 \\
+        --random-input-len 256 --random-output-len 64 --goodput ttft:500 tpot:50 --json out.json
+
+`--request-rate` takes one rate or several (a sweep: `1,2,4,6,8`), `--bisect N` refines the
+sweep's goodput knee with N more points, `--plot OUT.png` draws it. Without a server of its
+own model the prompts are cut with `--tokenizer` (a model folder or name pdserve knows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+from typing import Any
+
+from services.bench import report
+from services.bench.backends import Send, Target, grpc_sender, http_sender
+from services.bench.dataset import DATASETS, BenchRequest, Lengths, make_requests
+from services.bench.stats import Slo
+from services.bench.sweep import Point, goodput, run_point, sweep
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000"
+    )
+    target.add_argument("--grpc", metavar="HOST:PORT", help="a pdserve router's gRPC API")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="model name to send, and the tokenizer unless --tokenizer (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="model folder or name whose tokenizer cuts the prompts"
+    )
+    parser.add_argument(
+        "--dataset-name",
+        choices=DATASETS,
+        default="random",
+        help="random (fixed or ranged lengths), prefix (a shared prefix), chat (a chat-like mix)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=128, help="requests per point")
+    parser.add_argument("--random-input-len", type=int, default=256, help="prompt tokens")
+    parser.add_argument("--random-output-len", type=int, default=64, help="output tokens")
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths drawn from len*(1-r)..len*(1+r)",
+    )
+    parser.add_argument(
+        "--random-prefix-len", type=int, default=0, help="prefix dataset: shared prefix tokens"
+    )
+    parser.add_argument(
+        "--request-rate",
+        default="inf",
+        help="req/s, or a comma list for a sweep (inf: all at once)",
+    )
+    parser.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)"
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    parser.add_argument(
+        "--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50"
+    )
+    parser.add_argument("--bisect", type=int, default=0, help="sweep: points to bisect the knee")
+    parser.add_argument(
+        "--num-warmups", type=int, default=0, help="requests sent first and discarded"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="lengths and arrival schedule")
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate every token asked for (default: on)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="bearer token (default: $PDSERVE_API_KEY)",
+    )
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the run as JSON")
+    parser.add_argument(
+        "--plot", default=None, metavar="OUT.png", help="draw attainment and latency CDFs"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--request-rate: expected a rate or a comma list, got {text!r}") from None
+    if not rates or not all(r > 0 for r in rates):
+        raise ValueError(f"--request-rate: every rate must be > 0, got {text!r}")
+    return rates
+
+
+def _tokenizer(name: str) -> Any:
+    from services.engine.loader import resolve_model
+    from services.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(resolve_model(name))
+    if tokenizer is None:
+        raise ValueError(f"--tokenizer: {name!r} has no tokenizer")
+    return tokenizer
+
+
+async def _run(args: argparse.Namespace, slo: Slo, rates: list[float]) -> list[Point]:
+    tokenizer = _tokenizer(args.tokenizer or args.model)
+    lengths = Lengths(
+        args.dataset_name,
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        args.random_prefix_len,
+    )
+
+    def prompts(count: int) -> list[BenchRequest]:  # fresh tags: nothing cached across points
+        return make_requests(tokenizer.encode, tokenizer.decode, count, lengths, args.seed)
+
+    target = Target(args.base_url, args.grpc, args.model, args.api_key, args.ignore_eos)
+    async with _connection(target) as send:
+        if args.num_warmups:
+            await run_point(send, prompts(args.num_warmups), math.inf, slo, progress=False)
+
+        async def point(rate: float) -> Point:
+            return await run_point(
+                send,
+                prompts(args.num_prompts),
+                rate,
+                slo,
+                args.burstiness,
+                args.max_concurrency,
+                args.seed,
+                progress=not args.no_progress,
+            )
+
+        return await sweep(point, rates, args.bisect)
+
+
+class _connection:
+    """The client session (HTTP) or channel (gRPC) of a run, as an async context giving `send`."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self._close: Any = None
+
+    async def __aenter__(self) -> Send:
+        if self.target.base_url is not None:
+            import aiohttp
+
+            session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.target.timeout_s),
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+            self._close = session.close
+            return http_sender(self.target, session)
+        import grpc
+
+        channel = grpc.aio.insecure_channel(self.target.grpc)  # type: ignore[arg-type]
+        self._close = channel.close
+        return grpc_sender(self.target, channel)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._close()
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs the benchmark; prints the table, writes the JSON and plot asked for."""
+    slo, rates = Slo.parse(args.goodput), _rates(args.request_rate)
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts: must be >= 1, got {args.num_prompts}")
+    points = asyncio.run(_run(args, slo, rates))
+    found = goodput([p.stats for p in points])
+    report.print_points([p.stats for p in points], found)
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
+    config["machine"] = machine()
+    data = report.run_json(config, points, found)
+    if args.json:
+        report.write_json(args.json, data)
+    if args.plot:
+        report.plot({args.base_url or args.grpc: data}, args.plot)
+    cached = sum(1 for p in points for r in p.results if r.cached_tokens)
+    if cached:
+        print(f"warning: {cached} requests got prompt tokens from a prefix cache", file=sys.stderr)
+    return 0
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: CPU model, CPUs this process may use, load average."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), ""
+            )
+    except OSError:
+        pass
+    return {
+        "cpu_model": model,
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_average": os.getloadavg(),
+    }

@@ -1,0 +1,122 @@
+"""The prompts of a serving benchmark, cut to exact token counts with the model's tokenizer.
+
+Workloads (`--dataset-name`, nothing downloaded):
+- `random`: input and output lengths drawn uniformly from [len * (1 - r), len * (1 + r)] with
+  `--random-range-ratio` r (vLLM's `random` dataset; r = 0 gives fixed lengths);
+- `prefix`: as `random`, each prompt starting with one shared `--prefix-len`-token prefix
+  (vLLM's `--random-prefix-len`), the prefix-cache workload;
+- `chat`: a chat-like mix: input and output lengths log-normal with the medians and spreads of
+  `CHAT_MIX` (ShareGPT-like: medians 256 and 128 tokens, long right tails), capped.
+
+Text comes from the Python standard library's own source, so any machine has it. Every prompt
+starts with a tag unique to the run and the request, so no prompt (past the shared prefix) is
+in any server's prefix cache; its length is checked by re-encoding it, since a decoded token
+window does not always encode back to the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json.decoder
+import logging
+import math
+import random
+import typing
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+DATASETS = ("random", "prefix", "chat")
+# (median, sigma of the log, cap) for input and output lengths of the chat mix, in tokens.
+CHAT_MIX = {"input": (256.0, 0.9, 2048), "output": (128.0, 0.8, 512)}
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request: its prompt text, exactly `prompt_len` tokens, and `output_len` to ask for."""
+
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+def corpus() -> str:
+    """Real English-and-code text for prompts: some standard-library modules' source."""
+    return "\n".join(inspect.getsource(m) for m in (argparse, logging, typing, json.decoder))
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """What a workload asks for (tokens)."""
+
+    dataset: str = "random"
+    input_len: int = 256
+    output_len: int = 64
+    range_ratio: float = 0.0
+    prefix_len: int = 0
+
+
+def _draws(lengths: Lengths, rng: random.Random) -> tuple[int, int]:
+    if lengths.dataset == "chat":
+        (im, isig, icap), (om, osig, ocap) = CHAT_MIX["input"], CHAT_MIX["output"]
+        return (
+            min(icap, max(4, round(rng.lognormvariate(math.log(im), isig)))),
+            min(ocap, max(2, round(rng.lognormvariate(math.log(om), osig)))),
+        )
+    r = lengths.range_ratio
+
+    def draw(n: int) -> int:
+        return rng.randint(max(1, math.floor(n * (1 - r))), math.ceil(n * (1 + r)))
+
+    return draw(lengths.input_len), draw(lengths.output_len)
+
+
+def make_requests(
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    num_prompts: int,
+    lengths: Lengths,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """`num_prompts` requests of `lengths` (seeded lengths and text windows; a fresh run tag
+    each call). Raises ValueError when a prompt cannot be cut to its length."""
+    if lengths.dataset not in DATASETS:
+        raise ValueError(f"--dataset-name: expected one of {DATASETS}, got {lengths.dataset!r}")
+    rng = random.Random(seed)
+    text_ids = encode(corpus())
+    run = uuid.uuid4().hex[:8]
+    prefix = decode(text_ids[: lengths.prefix_len]) if lengths.dataset == "prefix" else ""
+    requests = []
+    for i in range(num_prompts):
+        input_len, output_len = _draws(lengths, rng)
+        body_len = max(1, input_len - len(encode(prefix)) if prefix else input_len)
+        start = rng.randrange(0, len(text_ids) - body_len - 80)
+        prompt = _exact(encode, decode, f"[{run}-{i}] ", text_ids[start:], body_len, prefix)
+        requests.append(BenchRequest(prompt, len(encode(prompt)), output_len))
+    return requests
+
+
+def _exact(
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    tag: str,
+    window: list[int],
+    num_tokens: int,
+    prefix: str,
+) -> str:
+    """`prefix` + `tag` + text from `window`, encoding to exactly `num_tokens` tokens (those of
+    the prefix included when it has any)."""
+    target = num_tokens + (len(encode(prefix)) if prefix else 0)
+    if len(encode(tag)) >= num_tokens:  # too short for its tag: text alone
+        tag = ""
+    got = 0
+    for shift in range(16):  # another window start when a token boundary will not settle
+        take = max(0, num_tokens - len(encode(tag)))
+        for _ in range(6):
+            prompt = prefix + tag + decode(window[shift : shift + take])
+            got = len(encode(prompt))
+            if got == target:
+                return prompt
+            take = max(0, take + target - got)
+    raise ValueError(f"could not cut a prompt to {target} tokens (got {got})")
