@@ -36,6 +36,7 @@ from services.router.openai_responses import error_body
 logger = logging.getLogger(__name__)
 
 LISTEN_BACKLOG = 2048  # bursts of new clients queue in the kernel instead of being reset
+LINGER_S = 2.0  # after a refusal: how long the client's remaining bytes are read and dropped
 MAX_HEADER_BYTES = 64 * 1024  # request line + headers; longer ones get 431 (uvicorn sets none)
 
 
@@ -47,12 +48,15 @@ class _DeadlineProtocol(HttpToolsProtocol):
     _receipt_deadline: TimerHandle | None = None
     _in_headers = True  # the parser has not seen the current request's headers end yet
     _header_bytes = 0  # bytes received since the current request began, while _in_headers
+    _lingering = False  # refused and half-closed: reading until the client closes (or LINGER_S)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()  # the first request's bytes must arrive in time too
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:  # refused: what the client still sends is read and dropped
+            return
         if self._in_headers:
             self._header_bytes += len(data)
         super().data_received(data)
@@ -111,7 +115,14 @@ class _DeadlineProtocol(HttpToolsProtocol):
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: %d\r\n\r\n%s" % (status, reason.encode(), len(body), body)
         )
-        self.transport.close()
+        # A lingering close, as HTTP servers do: closing with the client's bytes unread would
+        # reset the connection, and the client could lose the answer before reading it.
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._lingering = True
+        self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def _protocol_class(read_timeout: float) -> type[_DeadlineProtocol]:
