@@ -2,13 +2,13 @@
 (the local path) better than on the prefill pool (the remote path)?
 
 One `pdserve serve --dtype bfloat16` cluster (its default placement) and two more routers over
-its workers, one `--disaggregation never` (every prompt local) and one `always` (every prompt
-remote). For each prompt length L, through each router: 4 steady streams (128-token prompts,
-256 output tokens) while an L-token prompt with 8 output tokens arrives every second, for
-`--seconds`. Reported per L and path: the L-prompts' TTFT p50 and the streams' ITL p99 and TPOT
-p50. The default is the largest L at which the local path's TTFT is no worse than the remote
-path's and the streams' ITL p99 under it stays within `--itl-slack` (default 1.25x) of theirs
-under the remote path.
+its workers (on the router's CPUs), one `--disaggregation never` (every prompt local) and one
+`always` (every prompt remote). For each prompt length L, through each router: 4 steady
+streams (128-token prompts, 256 output tokens) while an L-token prompt with 8 output tokens
+arrives every second, for `--seconds`. Reported per L and path: the L-prompts' TTFT p50 and
+the streams' ITL p99 and TPOT p50. The default is the largest L at which the local path's TTFT
+is no worse than the remote path's and the streams' ITL p99 under it stays within
+`--itl-slack` (default 1.25x) of theirs under the remote path.
 
     python benchmarks/crossover.py [--lengths 16,32,64,128,256,512] [--seconds 20]
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ from services.bench.backends import Target, http_sender  # noqa: E402
 from services.bench.command import machine  # noqa: E402
 from services.bench.dataset import Lengths  # noqa: E402
 from services.bench.stats import summarize  # noqa: E402
+from services.placement import format_cpus, plan_placement  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -38,7 +40,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 def _router(mode: str, prefill: str, decode: str) -> tuple[str, subprocess.Popen]:
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "router", "--port", "0", "--http-port", "0",
-         "--prefill", prefill, "--decode", decode, "--disaggregation", mode],
+         "--prefill", prefill, "--decode", decode, "--disaggregation", mode,
+         "--cpus", format_cpus(plan_placement(sorted(os.sched_getaffinity(0)), 1, 1).router)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
     )  # fmt: skip
     assert process.stdout is not None

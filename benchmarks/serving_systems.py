@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
+VLLM_LOG = Path(tempfile.gettempdir()) / "pdserve-bench-vllm.log"  # its start-up and errors
 PDSERVE_MODES = {
     "pdserve": [],
     "pdserve-colocated": ["--disaggregation", "never", "--num-prefill", "0"],
@@ -101,7 +103,7 @@ def start_vllm(venv: Path, model_dir: Path, cpus: str) -> tuple[str, subprocess.
             "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
             "--enable-prompt-tokens-details",
         ],
-        env=env, stdout=subprocess.DEVNULL, stderr=open(ROOT / "benchmarks" / "results" / "vllm.log", "w"),  # noqa: E501, SIM115
+        env=env, stdout=subprocess.DEVNULL, stderr=open(VLLM_LOG, "w"),  # noqa: SIM115
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     _wait_http(url, process, 900)

@@ -111,7 +111,7 @@ class RouterConfig:
     """auto: prefill on the decode worker when the prompt's uncached part is at most
     max_local_prefill_tokens, else on the prefill pool; always: every prompt on the prefill
     pool; never: every prompt on its decode worker (colocated; no prefill worker needed)."""
-    max_local_prefill_tokens: int = 64
+    max_local_prefill_tokens: int = 0
     """auto: longest uncached prompt (tokens) prefilled on the decode worker (README: the
     crossover benchmark behind this default)."""
     api_key: str | None = field(default=None, repr=False)
