@@ -84,12 +84,18 @@ def http_sender(target: Target, session: Any) -> Send:
                     _http_event(line, result, timeline)
             result.ok = not result.error
         except Exception as exc:  # noqa: BLE001 - a failed request is a data point
-            result.error = type(exc).__name__
+            result.error = _describe(exc)
         finally:
             timeline.end()
         return result
 
     return send
+
+
+def _describe(exc: BaseException) -> str:
+    """ "ClientConnectorError: Cannot connect to host ..." (cut to 160 characters)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}"[:160] if text else type(exc).__name__
 
 
 def _http_event(line: bytes, result: RequestResult, timeline: _Timeline) -> None:
@@ -141,7 +147,7 @@ def grpc_sender(target: Target, channel: Any) -> Send:
             result.ok = True
         except Exception as exc:  # noqa: BLE001 - a failed request is a data point
             code = getattr(exc, "code", None)
-            result.error = code().name if callable(code) else type(exc).__name__
+            result.error = code().name if callable(code) else _describe(exc)
         finally:
             timeline.end()
         return result

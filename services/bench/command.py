@@ -171,11 +171,28 @@ class _connection:
         await self._close()
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the first flag out of range."""
+    for flag, value, low in (
+        ("--num-prompts", args.num_prompts, 1),
+        ("--random-input-len", args.random_input_len, 1),
+        ("--random-output-len", args.random_output_len, 1),
+        ("--random-prefix-len", args.random_prefix_len, 0),
+        ("--num-warmups", args.num_warmups, 0),
+        ("--bisect", args.bisect, 0),
+    ):
+        if value < low:
+            raise ValueError(f"{flag}: must be >= {low}, got {value}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio: must be in [0, 1), got {args.random_range_ratio}")
+
+
 def main(args: argparse.Namespace) -> int:
     """Runs the benchmark; prints the table, writes the JSON and plot asked for."""
     slo, rates = Slo.parse(args.goodput), _rates(args.request_rate)
-    if args.num_prompts < 1:
-        raise ValueError(f"--num-prompts: must be >= 1, got {args.num_prompts}")
+    _check_flags(args)
     points = asyncio.run(_run(args, slo, rates))
     found = goodput([p.stats for p in points])
     report.print_points([p.stats for p in points], found)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,8 @@ def print_points(
 ) -> None:
     """One row per point: rate, achieved throughput, attainment, and p50 / p90 / p99 (or max)
     of TTFT, TPOT, ITL and E2E in milliseconds."""
-    console = console or Console()
+    # A pipe or a log gets the whole table too (rich would cut it to 80 columns).
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
     table = Table(title="pdserve bench serve")
     for column in ("req/s", "done", "failed", "req/s got", "tok/s", "SLO met"):
         table.add_column(column, justify="right")
@@ -70,6 +72,9 @@ def print_points(
             )
         table.add_row(*row)
     console.print(table)
+    for p in points:
+        for error, count in sorted(p.errors.items()):
+            console.print(f"{p.request_rate:g} req/s: {count} x {error}")
     if found.rate is not None or any(p.attainment is not None for p in points):
         within = f" (within {found.resolution:.3g} req/s)" if found.resolution else ""
         console.print(f"goodput: {found.rate if found.rate is not None else 'none'} req/s{within}")

@@ -105,6 +105,8 @@ class Slo:
                 values[name] = float(ms) / 1e3
             except ValueError:
                 raise ValueError(f"--goodput: {item!r}: not a number of milliseconds") from None
+            if not values[name] > 0:
+                raise ValueError(f"--goodput: {item!r}: must be > 0 milliseconds")
         return cls(**values)
 
     def met(self, r: RequestResult) -> bool:

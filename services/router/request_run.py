@@ -178,7 +178,9 @@ class RequestRun:
         routing, num_prompt = self.flow.routing, len(prepared.prompt_token_ids)
         prefer = None
         if self.siblings is not None and not self.leader:
+            waited = time.monotonic()
             prefer = self.siblings.prefill_worker(self._remaining())
+            self.stats.router_queue += time.monotonic() - waited  # behind the leader's prefill
         for attempt in (1, 2):
             self.prefill_address, _ = routing.pick_prefill(
                 prepared.prompt_token_ids, prepared.cache_salt, prefer if attempt == 1 else None
@@ -248,6 +250,7 @@ class RequestRun:
     ) -> Iterator[generate_pb2.GenerateResponse]:
         """Streams the Decode RPC's tokens through `text` until a finish_reason or stop string;
         without a `handle`, the decode worker prefills the prompt itself (the local path)."""
+        self.stats.on_decode_started()  # a sibling's wait for the leader's KV is decode queue
         prefer = None
         if self.siblings is not None and not self.leader:
             prefer = self.siblings.decode_worker(self._remaining())
@@ -282,7 +285,6 @@ class RequestRun:
         )
         self.scope.check()
         call = self.scope.track(stub.Decode(message, timeout=self._remaining()))
-        self.stats.on_decode_started()
         try:
             for reply in call:
                 if not self.kv_landed:  # the prompt's KV is in the decode worker's cache now

@@ -57,9 +57,12 @@ class WorkerPool:
     def __init__(self, prefill: Iterable[str], decode: Iterable[str]) -> None:
         self.prefill = [check_address(a, "prefill") for a in prefill]
         self.decode = [check_address(a, "decode") for a in decode]
-        for role, addresses in (("prefill", self.prefill), ("decode", self.decode)):
-            if not addresses:
-                logger.warning("no %s workers: every request gets UNAVAILABLE", role)
+        if not self.decode:
+            logger.warning("no decode workers: every request gets UNAVAILABLE")
+        if not self.prefill:  # fine when every prompt is prefilled locally
+            logger.warning(
+                "no prefill workers: a request sent to the prefill pool gets UNAVAILABLE"
+            )
         self._lock = threading.Lock()
         self._channels = ChannelCache()
         self._capacity: dict[str, int] = {}  # address -> tokens of KV one request can hold there

@@ -140,3 +140,25 @@ def test_prompts_have_exact_token_counts_and_are_unique(default_model, lengths):
     assert [r.prompt_len for r in requests] == [r.prompt_len for r in again]  # seeded lengths
     if lengths.input_len > 8:
         assert len({r.prompt for r in requests + again}) == 48  # fresh tags each run
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--random-input-len", "0"], "--random-input-len"),
+        (["--random-output-len", "0"], "--random-output-len"),
+        (["--max-concurrency", "0"], "--max-concurrency"),
+        (["--random-range-ratio", "2"], "--random-range-ratio"),
+        (["--random-prefix-len", "-3"], "--random-prefix-len"),
+        (["--num-warmups", "-1"], "--num-warmups"),
+        (["--bisect", "-1"], "--bisect"),
+        (["--goodput", "ttft:-5"], "--goodput"),
+        (["--request-rate", "0"], "--request-rate"),
+    ],
+)
+def test_bad_bench_flags_are_refused_by_name_before_any_request(capsys, flags, named):
+    from services import cli
+
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "2", *flags]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"pdserve: error: {named}: ")

@@ -126,6 +126,12 @@ def _prompt_cost(cluster, prompt: str, n: int) -> tuple[list[str], int, int, flo
     )
     computed = worker_info(prefill, "prefill").num_prompt_tokens_computed - computed
     pulled = scrape(metrics, "pdserve_kv_transfer_bytes_total", "decode") - pulled
+    for choice in reply.choices:  # each choice's legs add up, its wait behind the leader too
+        t = choice.model_extra["timings"]
+        to_first = t["router_queue"] + t["tokenize"] + t["prefill_queue"] + t["prefill"]
+        rest = t["decode_queue"] + t["kv_transfer"] + t["first_decode_step"] + t["decode"]
+        assert abs(to_first - t["ttft"]) <= max(0.1 * t["ttft"], 0.005), (choice.index, t)
+        assert abs(to_first + rest - t["e2e"]) <= max(0.1 * t["e2e"], 0.005), (choice.index, t)
     return [c.text for c in reply.choices], reply.usage.prompt_tokens, computed, pulled
 
 
