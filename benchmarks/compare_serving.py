@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ from services.bench.backends import Target, http_sender  # noqa: E402
 from services.bench.command import machine  # noqa: E402
 from services.bench.dataset import Lengths, make_requests  # noqa: E402
 from services.bench.stats import Slo  # noqa: E402
-from services.bench.sweep import GOODPUT_ATTAINMENT, run_point  # noqa: E402
+from services.bench.sweep import goodput, run_point  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SLO = Slo.parse(["ttft:500", "tpot:50"])
@@ -118,13 +119,8 @@ async def _warm(systems: list[System], args: argparse.Namespace) -> None:
 
 
 def _goodput(points: list[dict]) -> float | None:
-    passing = sorted(
-        p["request_rate"] for p in points if (p["attainment"] or 0) >= GOODPUT_ATTAINMENT
-    )
-    failing = [p["request_rate"] for p in points if (p["attainment"] or 0) < GOODPUT_ATTAINMENT]
-    ceiling = min(failing) if failing else None
-    ok = [r for r in passing if ceiling is None or r < ceiling]
-    return max(ok) if ok else None
+    """`sweep.goodput` over a system's point summaries."""
+    return goodput([types.SimpleNamespace(**p) for p in points]).rate
 
 
 def main() -> int:

@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = add("bench", help="benchmarks against a running server").add_subparsers(
         dest="bench", required=True
     )
-    from services.bench.command import add_flags
+    from services.bench.flags import add_flags
 
     add_flags(
         bench.add_parser(

@@ -16,13 +16,8 @@ window does not always encode back to the same number of tokens.
 
 from __future__ import annotations
 
-import argparse
-import inspect
-import json.decoder
-import logging
 import math
 import random
-import typing
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +37,14 @@ class BenchRequest:
 
 
 def corpus() -> str:
-    """Real English-and-code text for prompts: some standard-library modules' source."""
+    """Real English-and-code text for prompts: some standard-library modules' source (imported
+    here: the flags import this module, and every `pdserve` command builds them)."""
+    import argparse
+    import inspect
+    import json.decoder
+    import logging
+    import typing
+
     return "\n".join(inspect.getsource(m) for m in (argparse, logging, typing, json.decoder))
 
 
@@ -87,13 +89,15 @@ def make_requests(
     text_ids = encode(corpus())
     run = uuid.uuid4().hex[:8]
     prefix = decode(text_ids[: lengths.prefix_len]) if lengths.dataset == "prefix" else ""
+    prefix_tokens = len(encode(prefix)) if prefix else 0
     requests = []
     for i in range(num_prompts):
         input_len, output_len = _draws(lengths, rng)
-        body_len = max(1, input_len - len(encode(prefix)) if prefix else input_len)
+        body_len = max(1, input_len - prefix_tokens)
         start = rng.randrange(0, len(text_ids) - body_len - 80)
-        prompt = _exact(encode, decode, f"[{run}-{i}] ", text_ids[start:], body_len, prefix)
-        requests.append(BenchRequest(prompt, len(encode(prompt)), output_len))
+        window = text_ids[start:]
+        prompt = _exact(encode, decode, f"[{run}-{i}] ", window, body_len, prefix, prefix_tokens)
+        requests.append(BenchRequest(prompt, body_len + prefix_tokens, output_len))
     return requests
 
 
@@ -104,10 +108,11 @@ def _exact(
     window: list[int],
     num_tokens: int,
     prefix: str,
+    prefix_tokens: int,
 ) -> str:
-    """`prefix` + `tag` + text from `window`, encoding to exactly `num_tokens` tokens (those of
-    the prefix included when it has any)."""
-    target = num_tokens + (len(encode(prefix)) if prefix else 0)
+    """`prefix` (`prefix_tokens` long) + `tag` + text from `window`, encoding to exactly
+    `num_tokens` tokens past the prefix."""
+    target = num_tokens + prefix_tokens
     if len(encode(tag)) >= num_tokens:  # too short for its tag: text alone
         tag = ""
     got = 0

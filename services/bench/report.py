@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from services.bench.stats import PointStats, Summary
+from services.bench.stats import PointStats, RequestResult, Summary
 from services.bench.sweep import Goodput, Point
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -120,9 +120,8 @@ def plot(runs: dict[str, dict[str, Any]], path: str | Path) -> None:
 
 
 def _values(requests: list[dict[str, Any]], name: str) -> list[float]:
-    done = [r for r in requests if r["ok"] and r["output_tokens"] >= r["output_len"]]
+    """TTFT or TPOT of the complete requests of a point's JSON."""
+    results = [RequestResult(**r) for r in requests]
     if name == "ttft":
-        return [r["ttft"] for r in done]
-    return [
-        (r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in done if r["output_tokens"] > 1
-    ]
+        return [r.ttft for r in results if r.complete]
+    return [t for r in results if r.complete and (t := r.tpot) is not None]

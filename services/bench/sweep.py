@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from tqdm import tqdm
 
@@ -81,7 +82,17 @@ class Goodput:
     resolution: float | None
 
 
-def goodput(points: Sequence[PointStats], threshold: float = GOODPUT_ATTAINMENT) -> Goodput:
+class Rated(Protocol):
+    """What goodput needs of a point: `PointStats`, or any record of rate and attainment."""
+
+    @property
+    def request_rate(self) -> float: ...
+
+    @property
+    def attainment(self) -> float | None: ...
+
+
+def goodput(points: Sequence[Rated], threshold: float = GOODPUT_ATTAINMENT) -> Goodput:
     """Goodput from the points run: the highest passing rate below the lowest failing one."""
     failing = [p.request_rate for p in points if (p.attainment or 0.0) < threshold]
     ceiling = min(failing) if failing else None

@@ -295,8 +295,8 @@ class RequestRun:
                         self.stats.on_first_decode(reply.kv_transfer_seconds, reply.compute_seconds)
                     if self.siblings is not None and self.leader:
                         self.siblings.landed(address)
-                elif self.stats.first_decode_at is None and reply.token_ids:
-                    self.stats.on_local_first_decode()
+                elif handle is None and self.stats.first_decode_at is None and reply.token_ids:
+                    self.stats.on_local_first_decode()  # the local path's second token
                 delta = text.add(list(reply.token_ids))
                 if delta.stopped:
                     call.cancel()  # the decode worker frees the request's blocks now
