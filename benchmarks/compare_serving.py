@@ -16,8 +16,11 @@ Protocol (issue 15):
   `--enable-prompt-tokens-details`) and its full output length; a point with either problem is
   reported, never silently kept.
 - Recorded with every point: load average, CPU model, the generator's own CPU seconds.
-- `--repeats` times (default 3) for the 1 req/s point and the sweep's knee; the table gives
-  the median ratio to vLLM and its range, and a target is met only if the worst repeat meets it.
+- Goodput: the sweep over `--rates`, then `--bisect` points per system across its knee (below
+  the lowest rate when even that one fails), so it is known to within the final gap.
+- `--repeats` times (default 3) for the 1 req/s point and each system's goodput point; the table
+  gives the median ratio to vLLM and its range, and a target is met only if the worst repeat
+  meets it.
 
 Also here: the interference run (4 steady streams of 128-token prompts and 256 output tokens;
 2,048-token prompts with 8 output tokens every 3 s, for `--interference-s` seconds) and the
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -44,6 +48,7 @@ from benchmarks.serving_systems import System, start_systems, stop_systems  # no
 from services.bench.backends import Target, http_sender  # noqa: E402
 from services.bench.command import machine  # noqa: E402
 from services.bench.dataset import Lengths, make_requests  # noqa: E402
+from services.bench.report import plot  # noqa: E402
 from services.bench.stats import Slo  # noqa: E402
 from services.bench.sweep import goodput, run_point  # noqa: E402
 
@@ -75,26 +80,29 @@ def _point_summary(point: Any) -> dict[str, Any]:
 
 
 async def _run_points(
-    systems: list[System], rates: list[float], args: argparse.Namespace, repeat: int
+    systems: list[System], plan: dict[str, list[float]], args: argparse.Namespace, repeat: int
 ) -> dict[str, list[dict]]:
-    """One pass over `rates`, the systems alternating at each rate."""
+    """One pass: each system's rates in `plan`, the systems alternating at each rate."""
     import aiohttp
 
     tokenizer = systems[0].tokenizer
     lengths = Lengths("random", args.input_len, args.output_len)
     out: dict[str, list[dict]] = {s.name: [] for s in systems}
     timeout = aiohttp.ClientTimeout(total=600)
+    rates = sorted({r for name in plan for r in plan[name]})
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
-    ) as session:  # noqa: E501
+    ) as session:
         for rate in rates:
-            for system in systems:
+            for system in (s for s in systems if rate in plan[s.name]):
                 send = http_sender(Target(base_url=system.url, model=system.model), session)
                 requests = make_requests(
                     tokenizer.encode, tokenizer.decode, args.num_prompts, lengths, seed=repeat
                 )
                 point = await run_point(send, requests, rate, SLO, seed=repeat, progress=False)
                 summary = _point_summary(point)
+                if repeat == 0 and rate == 1.0:  # the latency CDFs' point
+                    summary["requests"] = [dataclasses.asdict(r) for r in point.results]
                 out[system.name].append(summary)
                 print(
                     f"  repeat {repeat} {rate:g} req/s {system.name:>18}: attainment "
@@ -104,6 +112,36 @@ async def _run_points(
                     flush=True,
                 )
     return out
+
+
+def _next_rate(points: list[dict], floor: float) -> float | None:
+    """Where to refine a system's goodput next: halfway across its knee, or, when even the
+    lowest rate failed but met at least half its requests, half that rate (not below `floor`);
+    None otherwise (a system far below 90% at the lowest rate is not chased down: each halving
+    doubles a point's length)."""
+    found = goodput([types.SimpleNamespace(**p) for p in points])
+    if found.rate is not None and found.resolution is not None:
+        return found.rate + found.resolution / 2
+    lowest = min(points, key=lambda p: p["request_rate"])
+    if found.rate is None and (lowest["attainment"] or 0.0) >= 0.5:
+        rate = lowest["request_rate"] / 2
+        return rate if rate >= floor else None
+    return None
+
+
+async def _refine(
+    systems: list[System], first: dict[str, list[dict]], args: argparse.Namespace
+) -> None:
+    """`args.bisect` rounds of one point per system at its `_next_rate`, added to `first`."""
+    for _ in range(args.bisect):
+        plan: dict[str, list[float]] = {s.name: [] for s in systems}
+        for s in systems:
+            if (rate := _next_rate(first[s.name], floor=0.125)) is not None:
+                plan[s.name] = [rate]
+        if not any(plan.values()):
+            return
+        for name, points in (await _run_points(systems, plan, args, repeat=0)).items():
+            first[name].extend(points)
 
 
 async def _warm(systems: list[System], args: argparse.Namespace) -> None:
@@ -123,13 +161,20 @@ def _goodput(points: list[dict]) -> float | None:
     return goodput([types.SimpleNamespace(**p) for p in points]).rate
 
 
+def _resolution(points: list[dict]) -> float | None:
+    return goodput([types.SimpleNamespace(**p) for p in points]).resolution
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rates", default="1,2,3,4,5,6,8", help="the sweep's rates (req/s)")
+    parser.add_argument("--rates", default="0.5,1,1.5,2,3,4", help="the sweep's rates (req/s)")
     parser.add_argument("--num-prompts", type=int, default=128, help="requests per point")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--bisect", type=int, default=1, help="points per system refining its goodput"
+    )
     parser.add_argument("--warmup", type=int, default=48, help="discarded burst per server")
     parser.add_argument("--interference-s", type=float, default=66.0)
     parser.add_argument("--systems", default="vllm,pdserve,pdserve-colocated")
@@ -140,22 +185,22 @@ def main() -> int:
     parser.add_argument("--json", default=str(RESULTS / "compare_serving.json"))
     args = parser.parse_args()
     if args.quick:
-        args.rates, args.num_prompts, args.repeats, args.warmup = "1,4", 16, 1, 8
+        args.rates, args.num_prompts, args.repeats, args.warmup = "1,4", 16, 2, 8
+        args.bisect = 1
         args.interference_s = 12.0
     rates = [float(r) for r in args.rates.split(",")]
     systems = start_systems(args.systems.split(","), Path(args.vllm_venv))
     try:
         asyncio.run(_warm(systems, args))
-        runs = []
-        for repeat in range(args.repeats):
-            # the first repeat sweeps every rate; later ones the 1 req/s point and the knee
-            if repeat == 0:
-                these = rates
-            else:
-                knees = {g for pts in runs[0].values() if (g := _goodput(pts)) is not None}
-                above = {min([r for r in rates if r > k], default=k) for k in knees}
-                these = sorted({rates[0], *knees, *above})
-            runs.append(asyncio.run(_run_points(systems, these, args, repeat)))
+        runs = [asyncio.run(_run_points(systems, {s.name: rates for s in systems}, args, 0))]
+        asyncio.run(_refine(systems, runs[0], args))
+        # later repeats: the 1 req/s point and each system's own goodput point
+        plan = {
+            name: sorted({1.0, *([g] if (g := _goodput(points)) is not None else [])})
+            for name, points in runs[0].items()
+        }
+        for repeat in range(1, args.repeats):
+            runs.append(asyncio.run(_run_points(systems, plan, args, repeat)))
         inter = {
             s.name: asyncio.run(interference(s.url, s.model, s.tokenizer, args.interference_s))
             for s in systems
@@ -164,8 +209,14 @@ def main() -> int:
         stop_systems(systems)
     data = {"config": vars(args), "machine": machine(), "runs": runs, "interference": inter}
     data["goodput"] = {name: [_goodput(run[name]) for run in runs] for name in runs[0]}
+    data["goodput_resolution"] = {name: _resolution(runs[0][name]) for name in runs[0]}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    plot(
+        {name: {"points": points} for name, points in runs[0].items()},
+        Path(args.json).with_suffix(".png"),
+        cdf_at=1.0,
+    )
     print(
         json.dumps(
             {

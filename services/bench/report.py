@@ -84,9 +84,10 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 
-def plot(runs: dict[str, dict[str, Any]], path: str | Path) -> None:
+def plot(runs: dict[str, dict[str, Any]], path: str | Path, cdf_at: float | None = None) -> None:
     """PNG at `path`: SLO attainment against request rate (one line per system of `runs`, each a
-    `run_json`), and the CDFs of TTFT and TPOT at each system's first point."""
+    `run_json`), and the CDFs of TTFT and TPOT at each system's point of rate `cdf_at` (req/s;
+    its first point when None or absent)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,14 +95,18 @@ def plot(runs: dict[str, dict[str, Any]], path: str | Path) -> None:
 
     fig, (ax_rate, ax_ttft, ax_tpot) = plt.subplots(1, 3, figsize=(15, 4.2))
     for label, run in runs.items():
-        points = [p for p in run["points"] if p["attainment"] is not None]
+        points = sorted(
+            (p for p in run["points"] if p["attainment"] is not None),
+            key=lambda p: p["request_rate"],
+        )
         ax_rate.plot(
             [p["request_rate"] for p in points],
             [100 * p["attainment"] for p in points],
             marker="o",
             label=label,
         )
-        first = run["points"][0]
+        at = [p for p in run["points"] if p["request_rate"] == cdf_at and "requests" in p]
+        first = at[0] if at else run["points"][0]
         for ax, name in ((ax_ttft, "ttft"), (ax_tpot, "tpot")):
             values = sorted(_values(first["requests"], name))
             if values:
