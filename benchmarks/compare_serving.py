@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import sys
 import types
@@ -101,17 +102,35 @@ async def _run_points(
                 )
                 point = await run_point(send, requests, rate, SLO, seed=repeat, progress=False)
                 summary = _point_summary(point)
-                if repeat == 0 and rate == 1.0:  # the latency CDFs' point
+                if repeat == 0 and math.isclose(rate, 1.0):  # the latency CDFs' point
                     summary["requests"] = [dataclasses.asdict(r) for r in point.results]
                 out[system.name].append(summary)
-                print(
-                    f"  repeat {repeat} {rate:g} req/s {system.name:>18}: attainment "
-                    f"{summary['attainment']:.0%}, TTFT p50 {summary['ttft_p50_ms']:.0f} ms, "
-                    f"TPOT p50 {summary['tpot_p50_ms']:.1f} ms, got {summary['achieved_rps']:.2f}"
-                    f" req/s, problems {summary['problems']}",
-                    flush=True,
-                )
+                print(f"  repeat {repeat} {system.name:>18}: {_line(summary)}", flush=True)
     return out
+
+
+def _line(summary: dict[str, Any]) -> str:
+    """A point's progress line (a point where nothing completed has no p50s)."""
+
+    def ms(key: str) -> str:
+        return "-" if summary[key] is None else f"{summary[key]:.1f} ms"
+
+    return (
+        f"{summary['request_rate']:g} req/s: attainment {summary['attainment'] or 0:.0%}, "
+        f"TTFT p50 {ms('ttft_p50_ms')}, TPOT p50 {ms('tpot_p50_ms')}, "
+        f"got {summary['achieved_rps']:.2f} req/s, failed {summary['failed']}, "
+        f"problems {summary['problems']}"
+    )
+
+
+def repeat_plan(points: list[dict]) -> list[float]:
+    """The rates a later repeat runs for one system, from its first repeat's points: 1 req/s
+    and both sides of its goodput's knee (the passing rate and the failing one above it)."""
+    found = goodput([types.SimpleNamespace(**p) for p in points])
+    knee = [] if found.rate is None else [found.rate]
+    if found.rate is not None and found.resolution is not None:
+        knee.append(found.rate + found.resolution)
+    return sorted({1.0, *knee})
 
 
 def _next_rate(points: list[dict], floor: float) -> float | None:
@@ -194,42 +213,38 @@ def main() -> int:
         asyncio.run(_warm(systems, args))
         runs = [asyncio.run(_run_points(systems, {s.name: rates for s in systems}, args, 0))]
         asyncio.run(_refine(systems, runs[0], args))
-        # later repeats: the 1 req/s point and each system's own goodput point
-        plan = {
-            name: sorted({1.0, *([g] if (g := _goodput(points)) is not None else [])})
-            for name, points in runs[0].items()
-        }
+        _save(args, runs, {})
+        plan = {name: repeat_plan(points) for name, points in runs[0].items()}
         for repeat in range(1, args.repeats):
             runs.append(asyncio.run(_run_points(systems, plan, args, repeat)))
+            _save(args, runs, {})
         inter = {
             s.name: asyncio.run(interference(s.url, s.model, s.tokenizer, args.interference_s))
             for s in systems
         }
     finally:
         stop_systems(systems)
-    data = {"config": vars(args), "machine": machine(), "runs": runs, "interference": inter}
-    data["goodput"] = {name: [_goodput(run[name]) for run in runs] for name in runs[0]}
-    data["goodput_resolution"] = {name: _resolution(runs[0][name]) for name in runs[0]}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    data = _save(args, runs, inter)
     plot(
         {name: {"points": points} for name, points in runs[0].items()},
         Path(args.json).with_suffix(".png"),
         cdf_at=1.0,
     )
-    print(
-        json.dumps(
-            {
-                "goodput": data["goodput"],
-                "interference": {
-                    k: {m: v for m, v in i.items() if not isinstance(v, list)}
-                    for k, i in inter.items()
-                },
-            },
-            indent=1,
-        )
-    )  # noqa: E501
+    print(json.dumps({"goodput": data["goodput"]}, indent=1))
+    print(f"tables: python benchmarks/compare_report.py {args.json}")
     return 0
+
+
+def _save(
+    args: argparse.Namespace, runs: list[dict[str, list[dict]]], inter: dict[str, Any]
+) -> dict[str, Any]:
+    """Write the JSON so far (after every pass: a crash late in an hour's run keeps the rest)."""
+    data = {"config": vars(args), "machine": machine(), "runs": runs, "interference": inter}
+    data["goodput"] = {name: [_goodput(run[name]) for run in runs] for name in runs[0]}
+    data["goodput_resolution"] = {name: _resolution(runs[0][name]) for name in runs[0]}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    return data
 
 
 if __name__ == "__main__":

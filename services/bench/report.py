@@ -87,7 +87,7 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
 def plot(runs: dict[str, dict[str, Any]], path: str | Path, cdf_at: float | None = None) -> None:
     """PNG at `path`: SLO attainment against request rate (one line per system of `runs`, each a
     `run_json`), and the CDFs of TTFT and TPOT at each system's point of rate `cdf_at` (req/s;
-    its first point when None or absent)."""
+    else its first point that kept its requests; none: no CDF for that system)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,8 +105,9 @@ def plot(runs: dict[str, dict[str, Any]], path: str | Path, cdf_at: float | None
             marker="o",
             label=label,
         )
-        at = [p for p in run["points"] if p["request_rate"] == cdf_at and "requests" in p]
-        first = at[0] if at else run["points"][0]
+        kept = [p for p in run["points"] if "requests" in p]
+        at = [p for p in kept if cdf_at is not None and abs(p["request_rate"] - cdf_at) < 1e-6]
+        first: dict[str, Any] = at[0] if at else kept[0] if kept else {"requests": []}
         for ax, name in ((ax_ttft, "ttft"), (ax_tpot, "tpot")):
             values = sorted(_values(first["requests"], name))
             if values:

@@ -1,6 +1,7 @@
 """compare_report's verdicts on hand-built results: ratios per repeat, the worst repeat decides."""
 
 from benchmarks.compare_report import goodput_table, legs_table, sweep_table, targets
+from benchmarks.compare_serving import _next_rate, repeat_plan
 
 
 def _point(rate, attainment, ttft, tpot, requests=None):
@@ -62,22 +63,48 @@ def _data(pd_goodput, vllm_goodput, pd_ttfts):
 
 def test_the_worst_repeat_decides_each_ratio():
     # TTFT ratios 0.9, 1.1, 0.95: the median meets 1.0x, the worst does not
-    data = _data([2.0, 2.0, 1.0], [1.0, 1.0, 1.0], [90.0, 110.0, 95.0])
+    data = _data([None] * 3, [1.0] * 3, [90.0, 110.0, 95.0])
     lines = targets(data).splitlines()
-    assert lines[0].startswith("- Goodput") and "**missed**" in lines[0]  # 1.0x in repeat 3
-    assert "range 1.00-2.00x" in lines[0]
     assert "**met** (1.50x alone, 0.060x vLLM's)" in lines[1]
-    assert "**missed** (median 0.95x, range 0.90-1.10x)" in lines[2]
-    assert "**met** (median 0.90x, range 0.90-0.90x)" in lines[3]  # TPOT 27 / 30
+    assert "**missed** (worst 1.100x; median 0.95x, range 0.90-1.10x)" in lines[2]
+    assert "**met** (worst 0.900x; median 0.90x, range 0.90-0.90x)" in lines[3]  # 27 / 30 ms
     assert "**met** (1.40x)" in lines[4]
 
 
-def test_goodput_below_the_lowest_rate_is_not_a_ratio():
-    data = _data([None, None, None], [1.0, 0.5, 1.0], [90.0, 90.0, 90.0])
-    assert "**missed**: in at least one repeat no rate run met 90%" in targets(data)
-    assert "| pdserve | < 1, < 1, < 1 | - |" in goodput_table(data)
-    neither = _data([None], [None], [90.0])
-    assert "**not decided**" in targets(neither)
+def test_a_repeat_that_did_not_measure_a_figure_misses_it():
+    data = _data([None] * 2, [1.0] * 2, [90.0, 90.0])
+    data["runs"][1]["pdserve"][0]["ttft_p50_ms"] = None  # nothing completed there
+    assert "TTFT p50 at 1 req/s ≤ 1.0x vLLM's: **missed**: measured in 1 of 2" in targets(data)
+    data["interference"]["pdserve"]["long_failed"] = 3
+    assert "**missed**: 3 of 22 long prompts failed" in targets(data)
+
+
+def _goodput_of(data, name, repeat, passing, failing):
+    data["runs"][repeat][name] = [_point(r, 0.95, 100.0, 30.0) for r in passing] + [
+        _point(r, 0.5, 100.0, 30.0) for r in failing
+    ]
+
+
+def test_goodput_comes_from_each_repeats_own_points_and_bounds_decide():
+    data = _data([None] * 3, [None] * 3, [90.0] * 3)
+    _goodput_of(data, "vllm", 0, [0.5], [0.75])  # 0.5, exact
+    _goodput_of(data, "pdserve", 0, [], [0.5])  # < 0.5: ratio < 1.0 -> missed
+    _goodput_of(data, "vllm", 1, [0.75], [1.0])
+    _goodput_of(data, "pdserve", 1, [], [1.0])  # < 1.0 against 0.75: < 1.33, undecided
+    _goodput_of(data, "vllm", 2, [], [1.0])
+    _goodput_of(data, "pdserve", 2, [2.0], [])  # >= 2 against < 1: > 2x, met
+    table = goodput_table(data).splitlines()
+    assert table[2] == "| vLLM | 0.5 (0.75 failed) | 0.75 (1 failed) | < 1 |"
+    assert table[3] == "| pdserve | < 0.5 | < 1 | ≥ 2 |"
+    line = targets(data).splitlines()[0]
+    assert line == (
+        "- Goodput ≥ 1.3x vLLM's: **missed** (repeat 0: missed, repeat 1: undecided, "
+        "repeat 2: met)."
+    )
+    _goodput_of(data, "pdserve", 0, [1.0], [])  # >= 1 against 0.5 exact: 2x, met
+    assert "**not decided**" in targets(data)  # repeat 1 still undecided
+    _goodput_of(data, "pdserve", 1, [1.0], [1.5])  # 1 / 0.75 = 1.33 exact: met
+    assert "**met** (repeat 0: met, repeat 1: met, repeat 2: met)" in targets(data)
 
 
 def test_tables_carry_every_point_and_the_legs():
@@ -85,3 +112,19 @@ def test_tables_carry_every_point_and_the_legs():
     assert sweep_table(data).count("\n") == 3  # header, rule, two points
     legs = legs_table(data).splitlines()[-1]
     assert legs == "| pdserve | 200.0 | 10.0 | 10.0 | 0.0 | 150.0 | 10.0 | 20.0 | 10.0 |"
+    data["runs"][0]["pdserve"][0].pop("requests")
+    assert "no point at 1 req/s kept" in legs_table(data)
+
+
+def test_later_repeats_rerun_1_rps_and_both_sides_of_the_knee():
+    points = [_point(r, a, 100.0, 30.0) for r, a in ((0.5, 0.97), (1.0, 0.89), (0.75, 0.96))]
+    assert repeat_plan(points) == [0.75, 1.0]
+    assert _next_rate(points, floor=0.125) == 0.875  # halfway across 0.75 -> 1
+    failing = [_point(r, a, 100.0, 30.0) for r, a in ((0.5, 0.6), (1.0, 0.3))]
+    assert repeat_plan(failing) == [1.0]
+    assert _next_rate(failing, floor=0.125) == 0.25  # 60% at the lowest: halve it
+    assert _next_rate(failing, floor=0.3) is None  # not below the floor
+    failing[0]["attainment"] = 0.2
+    assert _next_rate(failing, floor=0.125) is None  # far from 90%: not chased down
+    passing = [_point(r, 0.95, 100.0, 30.0) for r in (1.0, 2.0)]
+    assert repeat_plan(passing) == [1.0, 2.0] and _next_rate(passing, floor=0.125) is None
