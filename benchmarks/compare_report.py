@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.bench.sweep import goodput  # noqa: E402
+from services.router.stats import LEGS as ROUTER_LEGS  # noqa: E402
 
 DEFAULT = ROOT / "benchmarks" / "results" / "compare_serving.json"
 NAMES = {"vllm": "vLLM", "pdserve": "pdserve", "pdserve-colocated": "pdserve colocated"}
@@ -77,7 +78,8 @@ class RepeatGoodput:
         return f"{self.rate:g} ({self.above:g} failed)"
 
 
-def _repeat_goodput(points: list[dict]) -> RepeatGoodput:
+def repeat_goodput(points: list[dict]) -> RepeatGoodput:
+    """`sweep.goodput` over one system's point summaries of one repeat."""
     found = goodput([types.SimpleNamespace(**p) for p in points])
     above = (
         None if found.rate is None or found.resolution is None else found.rate + found.resolution
@@ -90,7 +92,7 @@ def goodput_table(data: dict[str, Any]) -> str:
     rows = ["| system | " + " | ".join(f"repeat {i}" for i in range(len(data["runs"]))) + " |"]
     rows.append("|---|" + "---:|" * len(data["runs"]))
     for name in data["runs"][0]:
-        cells = [str(_repeat_goodput(run[name])) for run in data["runs"] if run.get(name)]
+        cells = [str(repeat_goodput(run[name])) for run in data["runs"] if run.get(name)]
         rows.append(f"| {_name(name)} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -116,10 +118,7 @@ def one_rps_table(data: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-LEGS = (
-    "router_queue", "tokenize", "prefill_queue", "prefill", "kv_transfer", "decode_queue",
-    "first_decode_step",
-)  # fmt: skip
+LEGS = tuple(leg for leg in ROUTER_LEGS if leg != "decode")  # the legs before the first token
 
 
 def legs_table(data: dict[str, Any]) -> str:
@@ -199,7 +198,7 @@ def _goodput_outcome(ours: RepeatGoodput, theirs: RepeatGoodput, bound: float) -
 
 def _goodput_verdict(data: dict[str, Any], name: str, bound: float = 1.3) -> str:
     per_repeat = [
-        _goodput_outcome(_repeat_goodput(run[name]), _repeat_goodput(run["vllm"]), bound)
+        _goodput_outcome(repeat_goodput(run[name]), repeat_goodput(run["vllm"]), bound)
         for run in data["runs"]
     ]
     shown = ", ".join(f"repeat {i}: {o}" for i, o in enumerate(per_repeat))

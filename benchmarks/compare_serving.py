@@ -37,13 +37,13 @@ import json
 import math
 import os
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.compare_report import repeat_goodput  # noqa: E402
 from benchmarks.interference import interference  # noqa: E402
 from benchmarks.serving_systems import System, start_systems, stop_systems  # noqa: E402
 from services.bench.backends import Target, http_sender  # noqa: E402
@@ -51,7 +51,7 @@ from services.bench.command import machine  # noqa: E402
 from services.bench.dataset import Lengths, make_requests  # noqa: E402
 from services.bench.report import plot  # noqa: E402
 from services.bench.stats import Slo  # noqa: E402
-from services.bench.sweep import goodput, run_point  # noqa: E402
+from services.bench.sweep import run_point  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SLO = Slo.parse(["ttft:500", "tpot:50"])
@@ -126,11 +126,8 @@ def _line(summary: dict[str, Any]) -> str:
 def repeat_plan(points: list[dict]) -> list[float]:
     """The rates a later repeat runs for one system, from its first repeat's points: 1 req/s
     and both sides of its goodput's knee (the passing rate and the failing one above it)."""
-    found = goodput([types.SimpleNamespace(**p) for p in points])
-    knee = [] if found.rate is None else [found.rate]
-    if found.rate is not None and found.resolution is not None:
-        knee.append(found.rate + found.resolution)
-    return sorted({1.0, *knee})
+    found = repeat_goodput(points)
+    return sorted({1.0, *(r for r in (found.rate, found.above) if r is not None)})
 
 
 def _next_rate(points: list[dict], floor: float) -> float | None:
@@ -138,9 +135,9 @@ def _next_rate(points: list[dict], floor: float) -> float | None:
     lowest rate failed but met at least half its requests, half that rate (not below `floor`);
     None otherwise (a system far below 90% at the lowest rate is not chased down: each halving
     doubles a point's length)."""
-    found = goodput([types.SimpleNamespace(**p) for p in points])
-    if found.rate is not None and found.resolution is not None:
-        return found.rate + found.resolution / 2
+    found = repeat_goodput(points)
+    if found.rate is not None and found.above is not None:
+        return (found.rate + found.above) / 2
     lowest = min(points, key=lambda p: p["request_rate"])
     if found.rate is None and (lowest["attainment"] or 0.0) >= 0.5:
         rate = lowest["request_rate"] / 2
@@ -173,15 +170,6 @@ async def _warm(systems: list[System], args: argparse.Namespace) -> None:
             tok = system.tokenizer
             burst = make_requests(tok.encode, tok.decode, args.warmup, lengths, seed=99)
             await run_point(send, burst, float("inf"), SLO, progress=False)
-
-
-def _goodput(points: list[dict]) -> float | None:
-    """`sweep.goodput` over a system's point summaries."""
-    return goodput([types.SimpleNamespace(**p) for p in points]).rate
-
-
-def _resolution(points: list[dict]) -> float | None:
-    return goodput([types.SimpleNamespace(**p) for p in points]).resolution
 
 
 def main() -> int:
@@ -240,8 +228,12 @@ def _save(
 ) -> dict[str, Any]:
     """Write the JSON so far (after every pass: a crash late in an hour's run keeps the rest)."""
     data = {"config": vars(args), "machine": machine(), "runs": runs, "interference": inter}
-    data["goodput"] = {name: [_goodput(run[name]) for run in runs] for name in runs[0]}
-    data["goodput_resolution"] = {name: _resolution(runs[0][name]) for name in runs[0]}
+    found = {name: [repeat_goodput(run[name]) for run in runs] for name in runs[0]}
+    data["goodput"] = {name: [g.rate for g in per_repeat] for name, per_repeat in found.items()}
+    data["goodput_resolution"] = {
+        name: None if g.rate is None or g.above is None else g.above - g.rate
+        for name, (g, *_) in found.items()
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
     return data
