@@ -18,9 +18,9 @@ Protocol (issue 15):
 - Recorded with every point: load average, CPU model, the generator's own CPU seconds.
 - Goodput: the sweep over `--rates`, then `--bisect` points per system across its knee (below
   the lowest rate when even that one fails), so it is known to within the final gap.
-- `--repeats` times (default 3) for the 1 req/s point and each system's goodput point; the table
-  gives the median ratio to vLLM and its range, and a target is met only if the worst repeat
-  meets it.
+- `--repeats` times (default 3) for the 1 req/s point and both sides of each system's knee
+  (`repeat_plan`); `compare_report.py` gives the median ratio to vLLM and its range, and a
+  target is met only if the worst repeat meets it.
 
 Also here: the interference run (4 steady streams of 128-token prompts and 256 output tokens;
 2,048-token prompts with 8 output tokens every 3 s, for `--interference-s` seconds) and the
