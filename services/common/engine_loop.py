@@ -115,17 +115,24 @@ class EngineLoop:
         params: SamplingParams,
         kv_handle: KVHandle | None = None,
         cache_salt: str | None = None,
+        caller_active: Callable[[], bool] | None = None,
     ) -> queue.Queue[RequestOutput | KVReserved | BaseException]:
         """Add a request; its outputs (or an exception) arrive on the returned queue. A DECODE
         request first gets a `KVReserved` once its blocks are reserved: the receiver writes the
         pulled KV into them, then calls `kv_written` (and, as every caller, `abort` at its end).
+
+        `caller_active` (the RPC's `context.is_active`) is asked on the loop thread as the add
+        runs: a caller that left while the call waited for a step adds nothing (its stream stays
+        empty), so a burst of cancels leaves no prompt behind to be prefilled for no one.
 
         Raises the engine's InvalidRequestError / ResourceExhaustedError / KVHandshakeError
         synchronously.
         """
         stream: queue.Queue[RequestOutput | KVReserved | BaseException] = queue.Queue()
 
-        def add() -> None:
+        def add() -> bool:
+            if caller_active is not None and not caller_active():
+                return False
             self.engine.add_request(
                 prompt_ids,
                 params,
@@ -134,24 +141,28 @@ class EngineLoop:
                 cache_salt=cache_salt,
             )
             self._streams[request_id] = stream
+            return True
 
-        self.call(add)
-        metrics.PROMPT_TOKENS.labels(self.role).inc(len(prompt_ids))
+        if self.call(add):
+            metrics.PROMPT_TOKENS.labels(self.role).inc(len(prompt_ids))
         return stream
 
     def abort(self, request_id: str) -> bool:
         """Abort a running, waiting or pinned request; False if the engine no longer has it."""
+        return self.call(lambda: self._abort(request_id))
 
-        def abort() -> bool:
-            self._streams.pop(request_id, None)
-            if request_id in self._claims:  # reserved, but its receiver left before writing
-                self._kv_written(request_id, ok=False)
-            if request_id not in self.engine.requests and request_id not in self.engine.pinned:
-                return False
-            self.engine.abort(request_id)
-            return True
+    def abort_soon(self, request_id: str) -> None:
+        """`abort` without waiting for the loop (an RPC whose caller left frees its thread)."""
+        self.post(lambda: self._abort(request_id))
 
-        return self.call(abort)
+    def _abort(self, request_id: str) -> bool:
+        self._streams.pop(request_id, None)
+        if request_id in self._claims:  # reserved, but its receiver left before writing
+            self._kv_written(request_id, ok=False)
+        if request_id not in self.engine.requests and request_id not in self.engine.pinned:
+            return False
+        self.engine.abort(request_id)
+        return True
 
     def _run(self) -> None:
         while not self._stopped:

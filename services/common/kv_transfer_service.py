@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
 
 import grpc
 
@@ -25,20 +24,22 @@ from services.engine.kv_transfer.sender import KVSender
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 * 1024 * 1024
-T = TypeVar("T")
 
 
 class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
     """Prefill side: handshakes, streams pinned blocks, renews and releases leases.
 
-    `on_engine(fn)` runs fn on the engine's thread (EngineLoop.call). `stall_s` (test-only fault
-    injection, `--debug-kv-stall-seconds`) holds every PullKV that long before its first chunk.
+    `on_engine(fn)` runs fn on the engine's thread, now or soon, without waiting for it
+    (EngineLoop.post): an RPC that frees a pin never holds a server thread while the engine
+    steps, so a burst of releases and cancels cannot take every thread from the health service.
+    `stall_s` (test-only fault injection, `--debug-kv-stall-seconds`) holds every PullKV that
+    long before its first chunk.
     """
 
     def __init__(
         self,
         sender: KVSender,
-        on_engine: Callable[[Callable[[], T]], T],
+        on_engine: Callable[[Callable[[], object]], None],
         peer_info: KVPeerInfo,
         chunk_bytes: int = CHUNK_BYTES,
         stall_s: float = 0.0,
@@ -121,7 +122,10 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         )
 
     def ReleaseKV(self, request, context):
-        released = self.on_engine(lambda: self.sender.release(request.request_id))
+        rid = request.request_id
+        released = self.sender.leases.complete(rid)  # thread-safe: the lease table has a lock
+        if released:  # the pin itself is freed on the engine thread (KVSender.release)
+            self.on_engine(lambda: self.sender.release_pin(rid))
         return worker_pb2.ReleaseKVResponse(released=released)
 
 

@@ -83,7 +83,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             )  # on this thread: a network call
             stream = self.loop.submit(
                 request_id, prompt_ids, params, kv_handle=handle, cache_salt=salt
-            )
+            )  # always added, even if the caller left: its abort tells the source to unpin
             landed = False
             while (out := next_output(stream, context)) is not None:
                 if isinstance(out, KVReserved):  # pull on this thread; the batch keeps stepping
@@ -114,7 +114,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         """The local path: no KV handle, so this engine prefills the prompt itself (chunked into
         the running batch's steps); the replies carry every token, the first one included."""
         try:
-            stream = self.loop.submit(request_id, prompt_ids, params, cache_salt=salt)
+            stream = self.loop.submit(
+                request_id, prompt_ids, params, cache_salt=salt, caller_active=context.is_active
+            )
             first = True
             while (out := next_output(stream, context)) is not None:
                 yield _reply(out, out.new_token_ids, first)

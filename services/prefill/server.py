@@ -58,10 +58,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             list(request.prompt_token_ids),
             params,
             cache_salt=cache_salt(request.cache_salt),
+            caller_active=context.is_active,
         )
         out = next_output(stream, context)
         if out is None:  # the router went away or its deadline passed: nothing stays pinned
-            self.loop.abort(request_id)
+            self.loop.abort_soon(request_id)  # this thread need not wait for a step to end
             return worker_pb2.PrefillResponse()
         response = worker_pb2.PrefillResponse(
             first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens
@@ -75,7 +76,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             response.finish_reason = out.finish_reason
             return response
         if not context.is_active():  # the router left as the prefill finished: no one will pull
-            self.loop.abort(request_id)
+            self.loop.abort_soon(request_id)
         response.kv_handle.CopyFrom(handle_to_proto(out.kv_handle, self.kv_address))
         return response
 
@@ -101,7 +102,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     prefill = PrefillServicer(loop, config)
     admin = AdminServicer(loop, config)
     kv = KVTransferServicer(
-        sender, loop.call, engine.kv_peer_info, stall_s=config.debug_kv_stall_seconds
+        sender, loop.post, engine.kv_peer_info, stall_s=config.debug_kv_stall_seconds
     )
     service = start_service(
         "prefill",

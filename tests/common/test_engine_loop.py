@@ -33,6 +33,34 @@ def test_calls_are_served_while_the_engine_is_busy(tiny_llama):
         loop.stop()
 
 
+def test_a_caller_that_left_before_the_add_leaves_nothing_to_prefill(tiny_llama):
+    """The RPC's caller cancelled while its submit waited for a step: nothing is added, nothing
+    is counted, and `abort_soon` returns at once while the loop frees a running request."""
+    from services.common import metrics
+
+    engine = make_engine(tiny_llama, num_blocks=64)
+    loop = EngineLoop(engine, "both")
+    loop.start()
+    try:
+        counted = metrics.PROMPT_TOKENS.labels("both")._value.get()
+        stream = loop.submit(
+            "gone", [3, 4, 5], SamplingParams(max_tokens=2, **GREEDY), caller_active=lambda: False
+        )
+        assert stream.empty()
+        assert loop.call(lambda: "gone" not in engine.requests and engine.num_waiting == 0)
+        assert metrics.PROMPT_TOKENS.labels("both")._value.get() == counted
+        kept = loop.submit(
+            "kept", [3, 4, 5], SamplingParams(max_tokens=500, **GREEDY), caller_active=lambda: True
+        )
+        assert kept.get(timeout=30).request_id == "kept"
+        assert metrics.PROMPT_TOKENS.labels("both")._value.get() == counted + 3
+        loop.abort_soon("kept")
+        assert loop.call(lambda: "kept" not in engine.requests)
+        assert loop.call(lambda: engine.kv_cache.pool.num_free_blocks) == 64
+    finally:
+        loop.stop()
+
+
 def test_call_propagates_exceptions(tiny_llama):
     loop = EngineLoop(make_engine(tiny_llama, num_blocks=16), "both")
     loop.start()
