@@ -262,5 +262,14 @@ class DecodeConfig(WorkerConfig):
     """The engine (DECODE role)."""
     debug_zero_kv_block: int | None = field(default=None, metadata=flag(hidden=True))
     """Test hook: zero this block of every received KV (proves decode uses the pulled KV)."""
+    debug_recompute_prompt: bool = field(default=False, metadata=flag(hidden=True))
+    """Test hook: recompute every prompt instead of pulling its KV (fires the recompute alert;
+    `EngineConfig.debug_recompute_prompt`)."""
 
     role: typing.ClassVar[EngineRole] = EngineRole.DECODE
+
+    def engine_config(self) -> EngineConfig:
+        """DECODE role, with the recompute test hook passed on."""
+        return dataclasses.replace(
+            self.engine, role=self.role, debug_recompute_prompt=self.debug_recompute_prompt
+        )

@@ -22,6 +22,7 @@ from services.common.errors import ServiceUnavailableError
 from services.engine import Engine, SamplingParams
 from services.engine.kv_transfer.handle import KVHandle
 from services.engine.outputs import KVReserved, RequestOutput
+from services.engine.scheduler import RECOMPUTE_CAUSES
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +51,13 @@ class EngineLoop:
         )  # KVReserved delivered, their receiver's kv_written not yet run
         self._stopped = False
         self.max_step_tokens_per_request = 0
-        self._last_counts = {
-            "preemptions": 0,
-            "queries": 0,
-            "hits": 0,
-        }  # engine totals already exported
+        self._last_counts = dict.fromkeys(
+            ("preemptions", "queries", "hits", *RECOMPUTE_CAUSES), 0
+        )  # engine totals already exported
         self._thread = threading.Thread(target=self._run, name=f"{role}-engine", daemon=True)
 
     def start(self) -> None:
-        for counter in metrics.WORKER_COUNTERS:
-            counter.labels(self.role)
-        for reason in metrics.KV_FAILURE_REASONS:
-            metrics.KV_TRANSFER_FAILURES.labels(self.role, reason)
+        metrics.create_worker_series(self.role)
         self._publish_metrics()
         self._thread.start()
 
@@ -264,6 +260,7 @@ class EngineLoop:
             "preemptions": scheduler.num_preemptions,
             "queries": scheduler.prefix_cache_queries,
             "hits": scheduler.prefix_cache_hits,
+            **scheduler.prompt_tokens_computed_by_cause,
         }
         for name, counter in (
             ("preemptions", metrics.NUM_PREEMPTIONS),
@@ -271,4 +268,9 @@ class EngineLoop:
             ("hits", metrics.PREFIX_CACHE_HITS),
         ):
             counter.labels(role).inc(totals[name] - self._last_counts[name])
+        if role == "decode":  # prompt positions a decode worker ran, by why it had to
+            for cause in RECOMPUTE_CAUSES:
+                metrics.DECODE_RECOMPUTED_PROMPT_TOKENS.labels(role, cause).inc(
+                    totals[cause] - self._last_counts[cause]
+                )
         self._last_counts = totals

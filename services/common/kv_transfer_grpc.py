@@ -231,7 +231,7 @@ class GrpcKVReceiver(KVReceiver):
         except grpc.RpcError as exc:
             raise self._failure(handle.request_id, address, exc, "pulling KV") from None
         self.bytes_transferred += nbytes
-        metrics.KV_TRANSFER_BYTES.labels(self.role).inc(nbytes)
+        metrics.KV_TRANSFER_BYTES.labels(self.role, "grpc").inc(nbytes)
         self.pull_seconds[handle.request_id] = time.perf_counter() - start
         metrics.KV_TRANSFER_TIME.labels(self.role).observe(self.pull_seconds[handle.request_id])
 

@@ -107,7 +107,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
                 if leases.end_pull(rid):  # released while we read: free it now
                     self.on_engine(lambda: self.sender.release_pin(rid))
             yield chunk
-        metrics.KV_TRANSFER_BYTES.labels("prefill").inc(
+        metrics.KV_TRANSFER_BYTES.labels("prefill", "grpc").inc(
             (num_blocks - first_block) * self.block_bytes
         )
 

@@ -8,21 +8,31 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-# Latency buckets in seconds: from sub-millisecond decode steps to minute-long prompts.
+# Latency buckets in seconds, 1 ms to 2 min, with the common SLOs on a boundary (TTFT 100, 200,
+# 500 ms, 1, 2 s; TPOT 20, 50, 100 ms) so SLO attainment reads exactly off the buckets
+# (ARCHITECTURE.md; vLLM's dashboards compute it the same way).
 LATENCY_BUCKETS = (
     0.001,
     0.0025,
     0.005,
     0.01,
+    0.02,
     0.025,
     0.05,
+    0.075,
     0.1,
-    0.25,
+    0.15,
+    0.2,
+    0.3,
     0.5,
+    0.75,
     1.0,
+    1.5,
+    2.0,
     2.5,
     5.0,
     10.0,
+    20.0,
     30.0,
     60.0,
     120.0,
@@ -66,8 +76,9 @@ KV_TRANSFER_TIME = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 KV_TRANSFER_BYTES = Counter(
-    "pdserve_kv_transfer_bytes", "KV bytes moved between workers.", ["role"]
+    "pdserve_kv_transfer_bytes", "KV bytes moved between workers, by backend.", ["role", "backend"]
 )
+KV_BACKENDS = ("grpc",)
 KV_TRANSFER_FAILURES = Counter(
     "pdserve_kv_transfer_failures",
     "Transfers that failed, by reason: unavailable, deadline_exceeded, not_found, handshake "
@@ -105,13 +116,40 @@ PREFIX_CACHE_HITS = Counter(
 NUM_PREEMPTIONS = Counter(
     "pdserve_num_preemptions", "Requests preempted (recomputed later).", ["role"]
 )
-PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens received.", ["role"])
+PROMPT_TOKENS = Counter(
+    "pdserve_prompt_tokens",
+    "Prompt tokens of admitted requests (router: counted when the request's first token comes, "
+    "so a refused or failed-before-prefill request adds none; workers: when they accept one).",
+    ["role"],
+)
+DECODE_RECOMPUTED_PROMPT_TOKENS = Counter(
+    "pdserve_decode_recomputed_prompt_tokens",
+    "Prompt positions a decode worker ran through the model, by cause: local_prefill (the "
+    "router sent the prompt without KV), preemption (its KV was freed and recomputed), fallback "
+    "(the request came with remote KV, which should have made this 0).",
+    ["role", "cause"],
+)
 GENERATION_TOKENS = Counter("pdserve_generation_tokens", "Tokens generated.", ["role"])
 REQUEST_SUCCESS = Counter(
     "pdserve_request_success", "Finished requests.", ["role", "finish_reason"]
 )
+FINISH_REASONS = ("stop", "length")
 REQUEST_ERRORS = Counter(
-    "pdserve_request_errors", "Failed requests by gRPC code.", ["role", "code"]
+    "pdserve_request_errors",
+    "Requests that ended in an error, by gRPC code (the HTTP API counts its 4xx/5xx under the "
+    "code they map to), refusals before any work included.",
+    ["role", "code"],
+)
+ERROR_CODES = (
+    "INVALID_ARGUMENT",
+    "UNAUTHENTICATED",
+    "NOT_FOUND",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "CANCELLED",
+    "DEADLINE_EXCEEDED",
+    "UNAVAILABLE",
+    "INTERNAL",
 )
 REQUEST_PROMPT_TOKENS = Histogram(
     "pdserve_request_prompt_tokens",
@@ -173,8 +211,42 @@ WORKER_COUNTERS = (
     NUM_PREEMPTIONS,
     PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS,
-    KV_TRANSFER_BYTES,
 )
+
+
+def create_worker_series(role: str) -> None:
+    """A worker's labelled series, created before anything moves them (each reads 0)."""
+    for counter in WORKER_COUNTERS:
+        counter.labels(role)
+    for reason in KV_FAILURE_REASONS:
+        KV_TRANSFER_FAILURES.labels(role, reason)
+    for backend in KV_BACKENDS:
+        KV_TRANSFER_BYTES.labels(role, backend)
+
+
+def create_router_series(role: str = "router") -> None:
+    """The router's labelled series (latencies, tokens, outcomes by label value), created at start
+    so that panels and alerts have series before the first request or failure."""
+    for histogram in (
+        TIME_TO_FIRST_TOKEN,
+        TIME_PER_OUTPUT_TOKEN,
+        INTER_TOKEN_LATENCY,
+        E2E_REQUEST_LATENCY,
+        PREFILL_TIME,
+        KV_TRANSFER_TIME,
+        TOKENIZE_TIME,
+        REQUEST_PROMPT_TOKENS,
+        REQUEST_GENERATION_TOKENS,
+    ):
+        histogram.labels(role)
+    PROMPT_TOKENS.labels(role)
+    GENERATION_TOKENS.labels(role)
+    SEQUENCES_IN_FLIGHT.labels(role)
+    for reason in FINISH_REASONS:
+        REQUEST_SUCCESS.labels(role, reason)
+    for code in ERROR_CODES:
+        REQUEST_ERRORS.labels(role, code)
+    REQUESTS_REJECTED.labels(role, "queue_full")
 
 
 def start_metrics_server(host: str, port: int) -> int:

@@ -87,6 +87,10 @@ class EngineConfig:
     kv_lease_seconds: float = DEFAULT_KV_LEASE_S
     """PREFILL role: seconds a finished request's prompt KV stays pinned without a renewal from
     its decode worker; then its blocks are freed."""
+    debug_recompute_prompt: bool = field(default=False, metadata=flag(cli=False))
+    """Test hook (DECODE role; `pdserve decode --debug-recompute-prompt`): release every
+    incoming request's prompt KV unread and prefill the prompt here instead, the "quietly not
+    P/D" failure the recompute alert exists for (deploy/prometheus/alerts.yml)."""
     engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:12]}")
     """Name of this engine in KV handles; unique within a cluster (default: generated)."""
 
@@ -112,7 +116,12 @@ class EngineConfig:
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
-        for name in ("enable_prefix_caching", "enable_kv_events", "shuffle_free_blocks"):
+        for name in (
+            "enable_prefix_caching",
+            "enable_kv_events",
+            "shuffle_free_blocks",
+            "debug_recompute_prompt",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
         if self.seed is not None and (

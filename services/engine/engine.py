@@ -156,6 +156,10 @@ class Engine:
         if request.status.is_finished:  # the first token already ended it: nothing to decode
             self.kv_receiver.complete(kv_handle)
             self._finished_at_admission.append(request)
+        elif self.config.debug_recompute_prompt:  # test hook: recompute instead of pulling
+            self.kv_receiver.complete(kv_handle)
+            request.status = RequestStatus.WAITING
+            self.scheduler.add(request)
         else:
             self.reservations.add(request)
 

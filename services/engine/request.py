@@ -84,6 +84,18 @@ class Request:
     """When a step first scheduled the request (monotonic seconds; kept through preemption)."""
     first_token_time: float | None = None
     """When this engine first sampled a token for the request (monotonic seconds)."""
+    num_preemptions: int = 0
+    """Times this request was preempted (its KV recomputed)."""
+
+    @property
+    def recompute_cause(self) -> str:
+        """Why this engine runs the request's prompt positions, for
+        `pdserve_decode_recomputed_prompt_tokens_total{cause}`: "preemption" (its KV was freed),
+        "fallback" (a DECODE request whose prompt KV should have come from its handle) or
+        "local_prefill" (a prompt this engine was asked to prefill)."""
+        if self.num_preemptions:
+            return "preemption"
+        return "fallback" if self.kv_handle is not None else "local_prefill"
 
     def output(self, new: list[int], handle: KVHandle | None = None) -> RequestOutput:
         """This step's news: `new` token ids (with their logprobs when asked for), `handle`
@@ -141,6 +153,7 @@ class Request:
         assert self.status == RequestStatus.RUNNING
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_preemptions += 1
 
     def finish(self, status: RequestStatus) -> None:
         assert status.is_finished and not self.status.is_finished

@@ -65,6 +65,9 @@ class SchedulerOutput:
         return sum(len(s.token_ids) for s in self.scheduled)
 
 
+RECOMPUTE_CAUSES = ("preemption", "local_prefill", "fallback")  # Request.recompute_cause
+
+
 class Scheduler:
     """Owns the waiting and running queues and every request's blocks."""
 
@@ -74,8 +77,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # prompt positions run through the model (recomputes included)
+        # prompt positions run through the model (recomputes included), and the same by cause
         self.num_prompt_tokens_computed = 0
+        self.prompt_tokens_computed_by_cause = dict.fromkeys(RECOMPUTE_CAUSES, 0)
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_cache_hits = 0  # of those, tokens whose KV was reused
 
@@ -206,9 +210,9 @@ class Scheduler:
         for item in out.scheduled:
             request = requests[item.request_id]
             end = item.start_position + len(item.token_ids)
-            self.num_prompt_tokens_computed += max(
-                0, min(end, len(request.prompt_token_ids)) - item.start_position
-            )
+            prompt_positions = max(0, min(end, len(request.prompt_token_ids)) - item.start_position)
+            self.num_prompt_tokens_computed += prompt_positions
+            self.prompt_tokens_computed_by_cause[request.recompute_cause] += prompt_positions
             request.num_computed_tokens = end
             self.kv_cache.cache_full_blocks(request)
             if item.request_id in sampled:

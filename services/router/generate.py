@@ -27,7 +27,7 @@ from services.router.prompt import ModelInfo
 from services.router.request_run import RequestRun
 from services.router.routing import Routing
 from services.router.siblings import Siblings
-from services.router.stats import create_series
+from services.router.stats import count_error, create_series
 from services.router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,11 @@ class GenerateFlow:
         grpc.RpcError from a worker. Closing the generator early cancels whatever is in flight.
         """
         scope = scope if scope is not None else CancelScope()
-        ticket = self.admission.admit() if admit else None
+        try:
+            ticket = self.admission.admit() if admit else None
+        except Exception as exc:  # refused before any work: still counted under its code
+            count_error(status_for(exc)[0])
+            raise
         run = RequestRun(self, request, deadline, scope, siblings, leader, received)
         finished = False
         try:

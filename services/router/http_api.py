@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -48,9 +49,11 @@ from services.router.http_errors import (
     ModelNotFoundError,
     ShuttingDownError,
     error_response,
+    http_error_code,
 )
 from services.router.openai_render import ChoiceEnd, ChoiceRenderer, sse_body
 from services.router.siblings import Siblings
+from services.router.stats import count_error
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +92,7 @@ class OpenAIApp:
                 scope = {**scope, "path": path.rstrip("/")}
             if scope["path"].startswith("/v1/") and not self._authorized(scope):
                 error = UnauthenticatedError("authorization: missing or wrong API key")
+                count_error(grpc.StatusCode.UNAUTHENTICATED)
                 await error_response(error)(scope, receive, send)
                 return
         await self._app(scope, receive, send)
@@ -148,8 +152,10 @@ class OpenAIApp:
                 raise self._unknown_model(parsed.model)
             ticket = self.flow.admission.admit(parsed.num_choices)
         except ClientDisconnect:
+            count_error(grpc.StatusCode.CANCELLED)
             return Response(status_code=499)  # nobody reads it
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an error body
+            count_error(http_error_code(exc))  # refused before any flow: counted here
             return error_response(exc)
         end = _Ending([CancelScope() for _ in range(parsed.num_choices)], ticket.release)
         self._active.add(end)

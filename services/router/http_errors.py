@@ -51,6 +51,14 @@ class ShuttingDownError(ServiceUnavailableError):
         super().__init__("the router is shutting down; retry on another one")
 
 
+def http_error_code(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC code an HTTP error counts under in `pdserve_request_errors_total{code}` (a 404
+    for an unknown model is NOT_FOUND; a 413 is INVALID_ARGUMENT, as every bad input)."""
+    if isinstance(exc, ModelNotFoundError):
+        return grpc.StatusCode.NOT_FOUND
+    return status_for(exc)[0]
+
+
 def http_error(exc: BaseException) -> tuple[int, dict]:
     """(HTTP status, OpenAI error body) for an exception from the request flow."""
     if isinstance(exc, ModelNotFoundError):

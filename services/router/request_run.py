@@ -60,6 +60,7 @@ class RequestRun:
         self.deadline = deadline
         self.scope = scope
         self.stats = RequestStats() if received is None else RequestStats(start=received)
+        self.stats.counts_prompt = leader  # n choices of one prompt count its tokens once
         self.kv_landed = False  # a decode worker reported the prompt KV arrived
         self.request_id = request.request_id
         self.prefill_address = ""

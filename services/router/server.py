@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.config import API_KEY_ENV, RouterConfig
+from services.common.errors import UnauthenticatedError
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2_grpc
 from services.common.server import RunningService, start_service, wait_for_termination
 from services.router.admin import RouterAdminServicer
@@ -25,6 +26,7 @@ from services.router.http_api import OpenAIApp
 from services.router.http_server import HttpServer
 from services.router.prompt import ModelInfo
 from services.router.routing import Routing
+from services.router.stats import count_error
 from services.router.workers import WorkerPool
 
 ROUTER_MAX_STREAMS = 1024  # concurrent Generate streams (one thread each)
@@ -45,7 +47,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def Generate(  # noqa: N802 - gRPC method name
         self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[generate_pb2.GenerateResponse]:
-        check_metadata(context.invocation_metadata(), self._key)
+        try:
+            check_metadata(context.invocation_metadata(), self._key)
+        except UnauthenticatedError:
+            count_error(grpc.StatusCode.UNAUTHENTICATED)
+            raise
         deadline = self.flow.deadline_for(context.time_remaining())
         scope = CancelScope()
         # Runs when the RPC ends for any reason: cancel, deadline, or normal completion (no-op).

@@ -40,8 +40,9 @@ PATHS = ("remote", "local")
 
 
 def create_series() -> None:
-    """Creates the router's labelled leg and path series at start, so they read 0 (not absent)
-    before the first request."""
+    """Creates the router's labelled series at start (metrics.create_router_series, the legs and
+    the paths), so they read 0 (not absent) before the first request."""
+    metrics.create_router_series(ROLE)
     for leg in LEGS:
         metrics.REQUEST_LEG_TIME.labels(ROLE, leg)
     for path in PATHS:
@@ -73,6 +74,9 @@ class RequestStats:
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_tokens: int = 0
+    counts_prompt: bool = True
+    """Whether this sequence adds its prompt to `pdserve_prompt_tokens_total` (False for the
+    2nd..nth choice of one prompt, which share the first one's)."""
 
     def on_started(self) -> None:
         """The router starts working on the request (its flow thread picked it up)."""
@@ -86,7 +90,6 @@ class RequestStats:
     def on_tokenized(self, prompt_tokens: int, seconds: float) -> None:
         self.prompt_tokens, self.tokenize = prompt_tokens, seconds
         metrics.TOKENIZE_TIME.labels(ROLE).observe(seconds)
-        metrics.PROMPT_TOKENS.labels(ROLE).inc(prompt_tokens)
 
     def on_prefill(self, call_seconds: float, compute_seconds: float, cached_tokens: int) -> None:
         """A Prefill call took `call_seconds`, of which `compute_seconds` were its worker's
@@ -132,6 +135,9 @@ class RequestStats:
         if self.first_token_at is None:
             self.first_token_at = now
             metrics.TIME_TO_FIRST_TOKEN.labels(ROLE).observe(now - self.start)
+            # Its prompt is counted once it was prefilled: refused or failed requests add none.
+            if self.counts_prompt:
+                metrics.PROMPT_TOKENS.labels(ROLE).inc(self.prompt_tokens)
         else:
             assert self.last_token_at is not None  # set together with first_token_at
             metrics.INTER_TOKEN_LATENCY.labels(ROLE).observe(now - self.last_token_at)
@@ -156,7 +162,7 @@ class RequestStats:
             metrics.REQUEST_LEG_TIME.labels(ROLE, leg).observe(getattr(timings, leg))
 
     def on_failed(self, code: grpc.StatusCode) -> None:
-        metrics.REQUEST_ERRORS.labels(ROLE, code.name).inc()
+        count_error(code)
 
     def usage(self) -> generate_pb2.Usage:
         return generate_pb2.Usage(
@@ -185,3 +191,9 @@ class RequestStats:
             decode=decode,
             path=self.path,
         )
+
+
+def count_error(code: grpc.StatusCode) -> None:
+    """One request ended with `code`: in its flow, or refused before one started (a parse error,
+    a wrong key, a full admission queue)."""
+    metrics.REQUEST_ERRORS.labels(ROLE, code.name).inc()
