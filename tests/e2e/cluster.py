@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2_grpc
 
@@ -75,14 +76,20 @@ def pid_alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def scrape(url: str, name: str, role: str) -> float:
-    """Value of a `pdserve_*` sample with label role=... from a /metrics endpoint."""
+def scrape(url: str, name: str, role: str, **labels: str) -> float:
+    """The sum of a `pdserve_*` metric's samples (the full sample name, `_total` included) whose
+    labels include role=`role` and `labels`, from a /metrics endpoint; KeyError if none."""
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    prefix = f'{name}{{role="{role}"}} '
-    for line in text.splitlines():
-        if line.startswith(prefix):
-            return float(line[len(prefix) :])
-    raise KeyError(f"{name} role={role} not in {url}")
+    want = {"role": role, **labels}
+    found = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and want.items() <= sample.labels.items()
+    ]
+    if not found:
+        raise KeyError(f"{name} {want} not in {url}")
+    return sum(found)
 
 
 def generation_stub(address: str) -> generate_pb2_grpc.GenerationStub:
