@@ -20,6 +20,9 @@ from services.cli_sampling import add_prompt_source, add_sampling, parse_ids, sa
 from services.common.cluster_config import ClusterConfig
 from services.common.config import DecodeConfig, PrefillConfig, RouterConfig, with_env_api_key
 from services.common.config_json import from_json
+from services.common.logs import ENV as LOG_ENV
+from services.common.logs import LOG_FORMATS, default_format
+from services.common.logs import configure as configure_logging
 from services.engine.config import EngineConfig
 from services.flags import add_config_flags, config_from_args, flag_message
 
@@ -77,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
             metavar="JSON",
             help=f"The whole {config_cls.__name__} as JSON, as `pdserve serve` passes it to its "
             "children; replaces every other config flag (fields left out keep their defaults).",
+        )
+        command.add_argument(
+            "--log-format",
+            choices=LOG_FORMATS,
+            default=default_format(),
+            help="stderr logs as text or as one JSON object per line, each with its request "
+            "id (default: $PDSERVE_LOG_FORMAT or text; `serve` passes it on to its children)",
         )
     _add_generate(add("generate", help="send one request to a router and stream the answer"))
     bench = add("bench", help="benchmarks against a running server").add_subparsers(
@@ -199,6 +209,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = service_config(args)
     assert isinstance(config, ClusterConfig)
+    os.environ[LOG_ENV] = args.log_format  # the children log as this process does
+    configure_logging(args.log_format, "serve")
     # What every child would refuse, refused before any starts (no torch here: config.json).
     model_limits(resolve_model(config.engine.model), config.engine.max_model_len)
     plan = launcher.placement_plan(config)
@@ -209,6 +221,7 @@ def _service(args: argparse.Namespace) -> int:
     """`services.<role>.server.serve(config)`: prints its ready line and blocks until
     SIGINT/SIGTERM. A worker pins its CPUs and sets its threads first."""
     config = service_config(args)
+    configure_logging(args.log_format, args.command)
     if isinstance(config, (PrefillConfig, DecodeConfig)):
         from services.placement import apply_cpu_placement
 

@@ -230,7 +230,8 @@ class Supervisor:
             return
         if stream == "stderr":
             child.stderr_tail.append(line)
-        _log(f"[{child.name}] {line}")
+        # A JSON log record names its role and pid itself: relayed as it is, one object a line.
+        _log(line if line.startswith('{"') else f"[{child.name}] {line}")
 
     def _stop_all(self) -> None:
         """SIGTERM every live child (router first), SIGKILL after `stop_timeout`, reap all."""

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from services.common import request_id
 from services.engine.errors import (
     InvalidRequestError,
     KVHandshakeError,
@@ -91,7 +92,13 @@ def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Maps exceptions from unary and server-streaming handlers to gRPC statuses."""
+    """Maps exceptions from unary and server-streaming handlers to gRPC statuses, and binds each
+    call's request id (`x-request-id` metadata; `request_id.py`) while its handler runs, so the
+    handler's log lines and the failure logged here carry it. `new_request_ids` (the router):
+    a call without one gets a fresh id (the handler reads it from `request_id.current`)."""
+
+    def __init__(self, new_request_ids: bool = False) -> None:
+        self.new_request_ids = new_request_ids
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -99,38 +106,44 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return None
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary),
+                self._wrap_unary(handler.unary_unary),
                 handler.request_deserializer,
                 handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream),
+                self._wrap_stream(handler.unary_stream),
                 handler.request_deserializer,
                 handler.response_serializer,
             )
         return handler
 
+    def _request_id(self, context: grpc.ServicerContext) -> str | None:
+        found = request_id.from_metadata(context.invocation_metadata())
+        return found or (request_id.new_request_id() if self.new_request_ids else None)
 
-def _wrap_unary(behavior: Callable) -> Callable:
-    def wrapped(request, context):
-        try:
-            return behavior(request, context)
-        except Exception as exc:  # noqa: BLE001 - the one place errors become statuses
-            if context.code() is not None:  # already aborted by the handler itself
-                raise
-            _abort(context, exc)
+    def _wrap_unary(self, behavior: Callable) -> Callable:
+        def wrapped(request, context):
+            with request_id.bound(self._request_id(context)):
+                try:
+                    return behavior(request, context)
+                except Exception as exc:  # noqa: BLE001 - the one place errors become statuses
+                    if context.code() is not None:  # already aborted by the handler itself
+                        raise
+                    _abort(context, exc)
 
-    return wrapped
+        return wrapped
 
+    def _wrap_stream(self, behavior: Callable) -> Callable:
+        def statuses(request, context) -> Iterator:
+            try:
+                yield from behavior(request, context)
+            except Exception as exc:  # noqa: BLE001
+                if context.code() is not None:
+                    raise
+                _abort(context, exc)
 
-def _wrap_stream(behavior: Callable) -> Callable:
-    def wrapped(request, context) -> Iterator:
-        try:
-            yield from behavior(request, context)
-        except Exception as exc:  # noqa: BLE001
-            if context.code() is not None:
-                raise
-            _abort(context, exc)
+        def wrapped(request, context) -> Iterator:
+            return request_id.bind_stream(statuses(request, context), self._request_id(context))
 
-    return wrapped
+        return wrapped

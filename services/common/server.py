@@ -68,14 +68,17 @@ def start_service(
     metrics_port: int,
     max_workers: int = 64,
     serving: bool = True,
+    new_request_ids: bool = False,
 ) -> RunningService:
     """Start a server with the given servicers:
     [(add_XServicer_to_server, servicer, full service name)].
 
     `max_workers` bounds concurrent RPCs (a streaming call holds a thread for its whole life);
     threads idle for a few seconds exit (`thread_pool.py`), so a burst leaves none behind.
-    `serving`: health SERVING at once; False starts it NOT_SERVING for "" and every service
-    (the server accepts calls, but routers send none) until `RunningService.set_serving()`.
+    `new_request_ids`: calls that bring no `x-request-id` get a fresh one (the router; see
+    `ErrorInterceptor`). `serving`: health SERVING at once; False starts it NOT_SERVING for ""
+    and every service (the server accepts calls, but routers send none) until
+    `RunningService.set_serving()`.
 
     Raises OSError naming `port` or `metrics_port` when one cannot be bound.
     """
@@ -85,7 +88,7 @@ def start_service(
             futures.ThreadPoolExecutor,
             ElasticThreadPool(max_workers, thread_name_prefix=f"{role}-rpc"),
         ),
-        interceptors=[ErrorInterceptor()],
+        interceptors=[ErrorInterceptor(new_request_ids)],
         options=SERVER_OPTIONS,
     )
     for add, servicer, _ in register:

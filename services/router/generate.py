@@ -116,11 +116,15 @@ class GenerateFlow:
         finished = False
         try:
             for response in run.responses():
-                finished = finished or bool(response.finish_reason)
+                if response.finish_reason and not finished:
+                    finished = True
+                    _log_finished(response)
                 yield response
         except BaseException as exc:  # GeneratorExit too: the consumer went away
             if not finished:
-                run.stats.on_failed(self._failure_code(exc, deadline))
+                code = self._failure_code(exc, deadline)
+                run.stats.on_failed(code)
+                logger.info("request failed: %s", code.name)
             raise
         finally:
             scope.cancel()  # anything still in flight is no longer wanted
@@ -135,3 +139,19 @@ class GenerateFlow:
         if code == grpc.StatusCode.CANCELLED and time.monotonic() >= deadline:
             return grpc.StatusCode.DEADLINE_EXCEEDED
         return code
+
+
+def _log_finished(response: generate_pb2.GenerateResponse) -> None:
+    """One INFO line per finished sequence (its request id is on the record)."""
+    timings, usage = response.timings, response.usage
+    logger.info(
+        "request finished: %s, path=%s, prompt_tokens=%d, completion_tokens=%d, "
+        "cached_tokens=%d, ttft=%.3fs, e2e=%.3fs",
+        response.finish_reason,
+        timings.path,
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.cached_tokens,
+        timings.ttft,
+        timings.e2e,
+    )

@@ -18,6 +18,7 @@ A client that disconnects has its sequences cancelled, so workers free their blo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -34,6 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from services.common import request_id
 from services.common.config import RouterConfig
 from services.common.errors import UnauthenticatedError
 from services.common.pb import generate_pb2
@@ -146,8 +148,21 @@ class OpenAIApp:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         received = time.monotonic()  # each choice's timings start here
+        rid = request_id.accept(request.headers.get(request_id.HEADER))
+        rid = rid or request_id.new_request_id()
+        with request_id.bound(rid):
+            response = await self._generate_bound(request, chat, received, rid)
+        response.headers[request_id.HEADER] = rid
+        return response
+
+    async def _generate_bound(
+        self, request: Request, chat: bool, received: float, rid: str
+    ) -> Response:
         try:
-            parsed = oai.parse_request(await self._read_json(request), chat, self.max_n)
+            parsed = dataclasses.replace(
+                oai.parse_request(await self._read_json(request), chat, self.max_n),
+                request_id=rid,
+            )
             if parsed.model is not None and parsed.model != self.model_name:
                 raise self._unknown_model(parsed.model)
             ticket = self.flow.admission.admit(parsed.num_choices)
@@ -155,7 +170,9 @@ class OpenAIApp:
             count_error(grpc.StatusCode.CANCELLED)
             return Response(status_code=499)  # nobody reads it
         except Exception as exc:  # noqa: BLE001 - every refusal becomes an error body
-            count_error(http_error_code(exc))  # refused before any flow: counted here
+            code = http_error_code(exc)
+            count_error(code)  # refused before any flow: counted (and logged) here
+            logger.info("request refused: %s %s", code.name, exc)
             return error_response(exc)
         end = _Ending([CancelScope() for _ in range(parsed.num_choices)], ticket.release)
         self._active.add(end)
@@ -205,14 +222,17 @@ class OpenAIApp:
         deadline = self.flow.deadline_for(None)
         groups = [Siblings() for _ in parsed.prompts]  # the n choices of each prompt
         return [
-            self.flow.generate(
-                request,
-                deadline,
-                scope,
-                admit=False,
-                siblings=groups[index // parsed.n] if parsed.n > 1 else None,
-                leader=index % parsed.n == 0,
-                received=received,
+            request_id.bind_stream(
+                self.flow.generate(
+                    request,
+                    deadline,
+                    scope,
+                    admit=False,
+                    siblings=groups[index // parsed.n] if parsed.n > 1 else None,
+                    leader=index % parsed.n == 0,
+                    received=received,
+                ),
+                parsed.request_id,
             )
             for index, (request, scope) in enumerate(zip(requests, scopes, strict=True))
         ]

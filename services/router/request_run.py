@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from services.common import request_id
 from services.common.channels import release_kv
 from services.common.convert import sampling_to_proto
 from services.common.errors import PeerUnavailableError, ServiceUnavailableError, failed_peer
@@ -227,7 +228,9 @@ class RequestRun:
         )
         self.scope.check()
         start = time.monotonic()
-        future = self.scope.track(stub.Prefill.future(message, timeout=self._remaining()))
+        future = self.scope.track(
+            stub.Prefill.future(message, timeout=self._remaining(), metadata=request_id.metadata())
+        )
         try:
             response = future.result()
         except grpc.FutureCancelledError:
@@ -285,7 +288,9 @@ class RequestRun:
             cache_salt=prepared.cache_salt,
         )
         self.scope.check()
-        call = self.scope.track(stub.Decode(message, timeout=self._remaining()))
+        call = self.scope.track(
+            stub.Decode(message, timeout=self._remaining(), metadata=request_id.metadata())
+        )
         try:
             for reply in call:
                 if not self.kv_landed:  # the prompt's KV is in the decode worker's cache now

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common import request_id
 from services.common.config import API_KEY_ENV, RouterConfig
 from services.common.errors import UnauthenticatedError
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2_grpc
@@ -47,6 +48,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def Generate(  # noqa: N802 - gRPC method name
         self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[generate_pb2.GenerateResponse]:
+        # The call's id (x-request-id metadata, else fresh), bound by the ErrorInterceptor.
+        rid = request_id.current.get() or request_id.new_request_id()
+        context.send_initial_metadata(request_id.metadata(rid))  # the client learns its id
+        if not request.request_id:
+            request.request_id = rid  # the workers' per-sequence ids start with it
         try:
             check_metadata(context.invocation_metadata(), self._key)
         except UnauthenticatedError:
@@ -125,6 +131,7 @@ def start_router(config: RouterConfig) -> RunningRouter:
             config.port,
             config.metrics_port,
             max_workers=ROUTER_MAX_STREAMS,
+            new_request_ids=True,
         )
     except OSError:
         flow.pool.close()

@@ -1,0 +1,113 @@
+"""One request id: accepted from x-request-id metadata, generated where the router gets none,
+bound while a handler runs (on every thread that resumes its stream), and in every log record."""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent import futures
+
+import grpc
+import pytest
+
+from services.common import logs, request_id
+from services.common.errors import ErrorInterceptor
+from services.engine.errors import InvalidRequestError
+
+
+def test_accept_keeps_plain_ids_and_refuses_odd_ones():
+    assert request_id.accept("abc-123_x.y:z/w@q+=") == "abc-123_x.y:z/w@q+="
+    assert request_id.accept(b"bytes-id") == "bytes-id"
+    for bad in ("", None, "has space", 'quote"', "x" * 129, "new\nline"):
+        assert request_id.accept(bad) is None
+    assert request_id.from_metadata([("other", "1"), ("x-request-id", "mine")]) == "mine"
+    assert request_id.from_metadata([("x-request-id", "bad id")]) is None
+    assert len(request_id.new_request_id()) == 32
+
+
+def test_bind_stream_binds_each_step_on_whichever_thread_resumes_it():
+    seen = []
+
+    def stream():
+        for i in range(4):
+            seen.append((i, request_id.current.get()))
+            yield i
+
+    bound = request_id.bind_stream(stream(), "rid-1")
+    pool = futures.ThreadPoolExecutor(2)
+    items = [pool.submit(next, bound).result() for _ in range(4)]  # resumed on pool threads
+    assert items == [0, 1, 2, 3]
+    assert seen == [(i, "rid-1") for i in range(4)]
+    assert request_id.current.get() is None  # nothing leaks onto the caller's thread
+    pool.shutdown()
+
+
+def test_json_logs_carry_the_bound_id_and_the_role(capsys):
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        logs.configure("json", "decode")
+        with request_id.bound("rid-json"):
+            logging.getLogger("pdserve.test").warning("pulled %d blocks", 3)
+        logging.getLogger("pdserve.test").warning("no request")
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+        assert lines[0]["message"] == "pulled 3 blocks" and lines[0]["request_id"] == "rid-json"
+        assert lines[0]["role"] == "decode" and lines[0]["level"] == "WARNING"
+        assert lines[1]["request_id"] == "-"
+        logs.configure("text", "router")
+        with request_id.bound("rid-text"):
+            logging.getLogger("pdserve.test").warning("hello")
+        assert "[router] pdserve.test request_id=rid-text: hello" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="^log_format"):
+            logs.configure("xml", "router")
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+
+
+@pytest.mark.parametrize("new_ids", [False, True])
+def test_the_interceptor_binds_the_metadata_id_or_a_new_one(new_ids):
+    seen: list[str | None] = []
+
+    def unary(request, context):
+        seen.append(request_id.current.get())
+        if request == b"bad":
+            raise InvalidRequestError("prompt", "bad")
+        return b"ok"
+
+    def stream(request, context):
+        seen.append(request_id.current.get())
+        yield b"1"
+        seen.append(request_id.current.get())
+        yield b"2"
+
+    handlers = grpc.method_handlers_generic_handler(
+        "t.T",
+        {
+            "U": grpc.unary_unary_rpc_method_handler(unary),
+            "S": grpc.unary_stream_rpc_method_handler(stream),
+        },
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(4), interceptors=[ErrorInterceptor(new_request_ids=new_ids)]
+    )
+    server.add_generic_rpc_handlers((handlers,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        md = (("x-request-id", "client-id"),)
+        assert channel.unary_unary("/t.T/U")(b"x", metadata=md) == b"ok"
+        assert list(channel.unary_stream("/t.T/S")(b"x", metadata=md)) == [b"1", b"2"]
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/t.T/U")(b"bad", metadata=md)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert seen == ["client-id"] * 4
+        seen.clear()
+        channel.unary_unary("/t.T/U")(b"x")
+        assert (seen[0] is not None) == new_ids and seen[0] != "client-id"
+    finally:
+        server.stop(0)
