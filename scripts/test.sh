@@ -12,6 +12,15 @@ if ! command -v redis-server >/dev/null && ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2
         echo "warning: no redis-server and nothing on 127.0.0.1:6379: the Redis tests will fail" >&2
     fi
 fi
+# The observability tests run a real Prometheus (and promtool) on loopback: Debian's package.
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        { apt-get update -q && apt-get install -y -q --no-install-recommends prometheus; } >/dev/null \
+            || echo "warning: could not install prometheus" >&2
+    else
+        echo "warning: no prometheus/promtool: the observability tests will fail" >&2
+    fi
+fi
 . .venv/bin/activate
 # Lint and types first: CI fails on them as on a test (ruff rules and mypy settings: pyproject.toml).
 ruff check .
