@@ -15,6 +15,7 @@ carries only the ready line. No helper threads also means forking a child never 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,6 +31,7 @@ from services.common.cluster_config import ClusterConfig
 from services.common.config import API_KEY_ENV
 from services.common.config_json import to_json
 from services.placement import PlacementPlan, plan_placement, visible_gpus
+from services.prometheus_targets import target_groups, write_targets
 
 READY_PREFIX = "ready "
 
@@ -46,6 +48,8 @@ class ClusterSpec:
     start_timeout: float = 120.0  # seconds for each stage (workers, router) to become ready
     stop_timeout: float = 10.0  # seconds between SIGTERM and SIGKILL
     plan_line: str = ""  # the placement, logged at start
+    prometheus_targets: str | None = None  # file_sd file written once ready (emptied at exit)
+    model: str = ""  # the served model, the targets' `model` label
 
 
 class StartError(Exception):
@@ -103,6 +107,8 @@ def cluster_spec(config: ClusterConfig, plan: PlacementPlan | None = None) -> Cl
         router,
         start_timeout=config.start_timeout,
         plan_line=plan.describe() if plan else "placement: none (every process unpinned)",
+        prometheus_targets=config.prometheus_targets,
+        model=config.engine.model,
     )
 
 
@@ -143,9 +149,17 @@ class Supervisor:
             except StartError as exc:
                 _log(f"pdserve: error: {exc}")
                 return 1
-            print(READY_PREFIX + json.dumps(self.ready_info()), flush=True)
+            info = self.ready_info()
+            if self.spec.prometheus_targets:
+                groups = target_groups(info["services"], self.spec.model)
+                write_targets(self.spec.prometheus_targets, groups)
+                _log(f"pdserve: Prometheus targets in {self.spec.prometheus_targets}")
+            print(READY_PREFIX + json.dumps(info), flush=True)
             return self._watch()
         finally:
+            if self.spec.prometheus_targets and os.path.exists(self.spec.prometheus_targets):
+                with contextlib.suppress(OSError):  # stopping: the targets leave with us
+                    write_targets(self.spec.prometheus_targets, [])
             self._stop_all()
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
@@ -153,21 +167,27 @@ class Supervisor:
     def ready_info(self) -> dict:
         """{"router": HOST:PORT, "http": URL or None, "services": [router, prefill...,
         decode...]}."""
-        [router] = self._children("router")
         services = [
             {
                 "role": c.spec.role,
+                "name": c.name,
                 "grpc": c.ready["grpc"],
                 "metrics": c.ready["metrics"],
                 "pid": c.ready["pid"] if isinstance(c.ready.get("pid"), int) else c.proc.pid,
             }
-            for c in [router, *self._children("prefill"), *self._children("decode")]
+            for c in self._ordered()
         ]
+        [router] = self._children("router")
         return {
             "router": router.ready["grpc"],
             "http": router.ready.get("http"),
             "services": services,
         }
+
+    def _ordered(self) -> list[Child]:
+        """The router, then the prefill workers, then the decode workers (the ready line's
+        order)."""
+        return [*self._children("router"), *self._children("prefill"), *self._children("decode")]
 
     def _children(self, role: str) -> list[Child]:
         return [c for c in self.children if c.spec.role == role]

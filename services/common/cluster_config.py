@@ -65,6 +65,10 @@ class ClusterConfig:
     when there is one to spare, threads to match (`services/placement.py`; the plan is logged);
     none: leave every process unpinned with torch's default threads. A pool's --*-cpus or
     --*-threads wins over the plan."""
+    prometheus_targets: str | None = None
+    """Write a Prometheus file_sd targets file here once the cluster is ready (every service's
+    /metrics, with service, worker and model labels; emptied at exit): what
+    deploy/prometheus/prometheus.yml reads (`services/prometheus_targets.py`)."""
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode"):
