@@ -222,6 +222,8 @@ def create_worker_series(role: str) -> None:
         KV_TRANSFER_FAILURES.labels(role, reason)
     for backend in KV_BACKENDS:
         KV_TRANSFER_BYTES.labels(role, backend)
+    if role == "decode":
+        KV_TRANSFER_TIME.labels(role)
 
 
 def create_router_series(role: str = "router") -> None:

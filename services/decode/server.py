@@ -76,6 +76,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             yield from self._prefill_here(request_id, prompt_ids, params, salt, context)
             return
         handle, source = handle_from_proto(request.kv_handle)
+        if self.config.debug_recompute_prompt:
+            logger.warning(
+                "recomputing the prompt of %s instead of pulling its KV from %s "
+                "(--debug-recompute-prompt)",
+                request_id,
+                source,
+            )
         self.transfer.set_source(request_id, source)  # its lease is renewed from now on
         try:
             self.transfer.connect(

@@ -12,6 +12,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,13 +36,13 @@ class Proc:
         return self.process.wait(timeout=timeout)
 
 
-def start(*args: str) -> Proc:
+def start(*args: str, stderr: Any = None) -> Proc:
     """Run `pdserve ARGS`, wait for its `ready {json}` line (raises RuntimeError if it dies
-    first)."""
+    first). `stderr`: where its logs go (a file; default: the test's stderr)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", *args],
         stdout=subprocess.PIPE,
-        stderr=None,
+        stderr=stderr,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
