@@ -101,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
             formatter_class=_HelpFormatter,
         )
     )
+    from services.status import add_flags as add_status_flags
+
+    add_status_flags(add("status", help="the router's workers: health, load, KV cache, hit rate"))
     reset = add(
         "reset-prefix-cache", help="forget every cached prefix (a router: on all its workers)"
     )
@@ -248,6 +251,12 @@ def _bench(args: argparse.Namespace) -> int:
     return command.main(args)
 
 
+def _status(args: argparse.Namespace) -> int:
+    from services import status
+
+    return status.main(args)
+
+
 def _reset_prefix_cache(args: argparse.Namespace) -> int:
     from services import client
 
@@ -263,6 +272,7 @@ COMMANDS = {
     "generate": _generate,
     "bench": _bench,
     "reset-prefix-cache": _reset_prefix_cache,
+    "status": _status,
 }
 
 

@@ -70,6 +70,8 @@ def worker_info(loop: EngineLoop, config: WorkerConfig) -> common_pb2.WorkerInfo
             max_step_tokens_per_request=loop.max_step_tokens_per_request,
             num_cached_blocks=pool.num_cached_blocks,
             model_id=engine.model_id,
+            prefix_cache_queries=engine.scheduler.prefix_cache_queries,
+            prefix_cache_hits=engine.scheduler.prefix_cache_hits,
         )
 
     return loop.call(snapshot)

@@ -15,6 +15,7 @@ from services.router.prompt import ModelInfo
 from services.router.workers import WorkerPool
 
 ADMIN_TIMEOUT_S = 30.0
+LIST_TIMEOUT_S = 5.0
 
 
 class RouterAdminServicer(worker_pb2_grpc.AdminServicer):
@@ -43,6 +44,29 @@ class RouterAdminServicer(worker_pb2_grpc.AdminServicer):
     def GetInfo(self, request, context):  # noqa: N802 - gRPC method name
         check_metadata(context.invocation_metadata(), self._key)
         return self.info
+
+    def ListWorkers(self, request, context):  # noqa: N802 - gRPC method name
+        """Every worker with the router's health view and its GetInfo, asked in parallel (a
+        worker that does not answer within a few seconds is listed with its error)."""
+        check_metadata(context.invocation_metadata(), self._key)
+        timeout = min(LIST_TIMEOUT_S, context.time_remaining() or LIST_TIMEOUT_S)
+        roles = {a: "prefill" for a in self.pool.prefill} | {a: "decode" for a in self.pool.decode}
+        futures = {
+            address: worker_pb2_grpc.AdminStub(self.pool.channel(address)).GetInfo.future(
+                common_pb2.InfoRequest(), timeout=timeout
+            )
+            for address in roles
+        }
+        listed = worker_pb2.WorkerList()
+        for address, future in futures.items():
+            status = listed.workers.add(
+                role=roles[address], address=address, healthy=address not in self.pool.unhealthy
+            )
+            try:
+                status.info.CopyFrom(future.result())
+            except grpc.RpcError as exc:
+                status.error = f"{exc.code().name}: {exc.details()}"
+        return listed
 
     def ResetPrefixCache(self, request, context):  # noqa: N802 - gRPC method name
         check_metadata(context.invocation_metadata(), self._key)

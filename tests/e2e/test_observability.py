@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -278,6 +280,34 @@ def test_counters_dashboards_and_alerts_against_a_real_prometheus(
     assert all(float(s["value"][1]) == 0 for s in prometheus.query(recompute))
     firing = {a["labels"]["alertname"] for a in prometheus.alerts()}
     assert "PdserveDecodeRecomputingPrompts" not in firing
+
+
+def test_status_lists_the_routers_workers(cluster):
+    argv = [sys.executable, "-m", "services.cli", "status", "--url", cluster.ready["router"]]
+    listed = json.loads(
+        subprocess.run(
+            [*argv, "--json", "--api-key", KEY], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    workers = {s["grpc"]: s["role"] for s in cluster.ready["services"] if s["role"] != "router"}
+    assert {row["address"]: row["role"] for row in listed} == workers
+    for row in listed:
+        assert row["healthy"] and row["error"] is None and row["num_blocks"] > 0
+        assert row["free_blocks"] + row["pinned_blocks"] <= row["num_blocks"]
+        assert 0 <= row["kv_usage"] <= 1 and 0 <= row["prefix_hit_rate"] <= 1
+        assert row["running"] == row["waiting"] == 0
+    shown = subprocess.run(
+        [*argv, "--api-key", KEY],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "200"},
+    ).stdout
+    for address in workers:
+        assert address in shown
+    assert "healthy" in shown and "prefix hit rate" in shown
+    refused = subprocess.run([*argv, "--api-key", "wrong"], capture_output=True, text=True)
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
 
 
 def _wait_scraped(prometheus: PrometheusServer, worker: str, timeout: float = 30) -> None:

@@ -286,6 +286,11 @@ class AdminStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/pdserve.v1.Admin/ListWorkers',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerList.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -308,6 +313,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListWorkers(self, request, context):
+        """The router only: every worker it routes to, its health as the router sees it and its
+        GetInfo (what `pdserve status` prints). Workers answer UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -320,6 +333,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.InfoRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.WorkerInfo.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.InfoRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -378,6 +396,33 @@ class Admin:
             '/pdserve.v1.Admin/GetInfo',
             pdserve_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/ListWorkers',
+            pdserve_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.WorkerList.FromString,
             options,
             channel_credentials,
             insecure,
