@@ -14,14 +14,12 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-import grpc
-
-from services.common.channels import check_address
 from services.common.config import API_KEY_ENV
-from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
     from rich.table import Table
+
+    from services.common.pb import worker_pb2
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +43,7 @@ def rows(workers: worker_pb2.WorkerList) -> list[dict]:
     error (None when it answered)."""
     out = []
     for worker in workers.workers:
-        info: common_pb2.WorkerInfo = worker.info
+        info = worker.info
         answered = worker.HasField("info")
         blocks = info.num_blocks
         out.append(
@@ -113,6 +111,11 @@ def table(listed: list[dict], router: str) -> Table:
 
 def main(args: argparse.Namespace) -> int:
     """Exit 0 with the table, 1 when the router does not answer, 2 for a bad --url."""
+    import grpc  # here, not at import: `pdserve --help` loads no grpc
+
+    from services.common.channels import check_address
+    from services.common.pb import common_pb2, worker_pb2_grpc
+
     check_address(args.url, "--url")
     key = args.api_key or os.environ.get(API_KEY_ENV)
     metadata = (("authorization", f"Bearer {key}"),) if key else ()

@@ -17,7 +17,21 @@ from services.common.request_id import RequestIdFilter
 
 LOG_FORMATS = ("text", "json")
 ENV = "PDSERVE_LOG_FORMAT"
+_HANDLER_NAME = "pdserve"
 _TEXT = "%(asctime)s %(levelname)s [%(role)s] %(name)s request_id=%(request_id)s: %(message)s"
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record comes (as logging's last-resort handler
+    does), so a replaced stderr (a test's capture) is never written to after it closed."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 class _RoleFilter(logging.Filter):
@@ -41,7 +55,7 @@ def configure(log_format: str, role: str, level: int = logging.INFO) -> None:
     record tagged with `role` and the bound request id. Raises ValueError naming `log_format`."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log_format: expected one of {list(LOG_FORMATS)}, got {log_format!r}")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.addFilter(_RoleFilter(role))
     handler.addFilter(RequestIdFilter())
     if log_format == "json":
@@ -61,8 +75,10 @@ def configure(log_format: str, role: str, level: int = logging.INFO) -> None:
         )
     else:
         handler.setFormatter(logging.Formatter(_TEXT))
+    handler.set_name(_HANDLER_NAME)
     root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
+    for old in list(root.handlers):  # a second call replaces ours, and only ours
+        if old.get_name() == _HANDLER_NAME:
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import tempfile
 from typing import Any
 
 import grpc
@@ -43,6 +45,9 @@ DERIVED = {
 }
 
 
+TARGETS = os.path.join(tempfile.gettempdir(), f"pdserve-test-targets-{os.getpid()}.json")
+
+
 def _port(address: str) -> int:
     return int(address.rpartition(":")[2])
 
@@ -66,6 +71,7 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         kv_transfer_timeout_s=20.0,
         max_num_waiting_for_kv=4,
         kv_lease_seconds=20.0,
+        debug_recompute_prompt=True,
     )
     router = RouterConfig(
         host="localhost",
@@ -88,11 +94,18 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         router=router,
         index=PrefixIndexConfig(redis_url=redis_url, index_ttl=5.0),
         prefill=PrefillConfig(threads=1, cpus="0", drain_timeout=5.0, debug_kv_stall_seconds=0.01),
-        decode=DecodeConfig(threads=1, cpus="1", drain_timeout=6.0, debug_zero_kv_block=0),
+        decode=DecodeConfig(
+            threads=1,
+            cpus="1",
+            drain_timeout=6.0,
+            debug_zero_kv_block=0,
+            debug_recompute_prompt=True,
+        ),
         num_prefill=2,
         num_decode=2,
         start_timeout=110.0,
         placement="none",
+        prometheus_targets=TARGETS,
     )
 
 
@@ -181,5 +194,14 @@ def test_every_child_reports_the_config_its_parent_gave_it(tiny_llama, redis_ser
         assert sum(len(r.token_ids) for r in replies) == 4
         assert replies[-1].finish_reason == "length"
         json.dumps(ready)  # the ready line stays plain JSON
+        # --prometheus-targets: one file_sd group per service, named as the ready line names it
+        with open(TARGETS) as f:
+            groups = json.load(f)
+        assert [g["labels"]["service"] for g in groups] == [s["name"] for s in services]
+        assert [g["labels"]["worker"] for g in groups] == [s["grpc"] for s in services]
+        assert {g["labels"]["model"] for g in groups} == {os.path.basename(tiny_llama)}
     finally:
         assert proc.stop() == 0
+    with open(TARGETS) as f:
+        assert json.load(f) == []  # emptied at exit: Prometheus drops the targets
+    os.remove(TARGETS)
