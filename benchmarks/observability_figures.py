@@ -46,22 +46,26 @@ def rows_of(dashboard: dict) -> list[tuple[str, list[dict]]]:
     return rows
 
 
+# "All" for the label variables; SLOs of 1 s TTFT and 100 ms TPOT (choices of the dashboard's).
+VARIABLES = {
+    "$model": ".*",
+    "$role": ".*",
+    "$worker": ".*",
+    "$ttft_slo": "1.0",
+    "$tpot_slo": "0.1",
+}
+
+
 def substitute(expr: str, rate_interval: str) -> str:
-    values = {
-        "$__rate_interval": rate_interval,
-        "$model": ".*",
-        "$role": ".*",
-        "$worker": ".*",
-        "$ttft_slo": "0.5",
-        "$tpot_slo": "0.05",
-    }
+    values = {"$__rate_interval": rate_interval, **VARIABLES}
     for name, value in values.items():
         expr = expr.replace(name, value)
     return expr
 
 
 def legend(fmt: str, labels: dict) -> str:
-    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt).strip()
+    text = re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt).strip()
+    return substitute(text, "")
 
 
 def _side_traffic(http: str, stop: threading.Event) -> None:
@@ -125,14 +129,18 @@ def plot(prometheus: PrometheusServer, start: float, end: float) -> list[Path]:
         for ax in axes.flat[len(panels) :]:
             ax.axis("off")
         for ax, panel in zip(axes.flat, panels, strict=False):
+            lines = []
             for target in panel["targets"]:
                 expr = substitute(target["expr"], f"{int(4 * STEP_S)}s")
                 for series in prometheus.query_range(expr, start, end, STEP_S):
                     points = [(float(t) - start, float(v)) for t, v in series["values"]]
                     points = [(t, v) for t, v in points if v == v]  # drop NaN (no traffic)
                     if points:
-                        xs, ys = zip(*points, strict=True)
-                        ax.plot(xs, ys, label=legend(target["legendFormat"], series["metric"]))
+                        lines.append((legend(target["legendFormat"], series["metric"]), points))
+            moving = [line for line in lines if any(v for _, v in line[1])]
+            for label, points in moving or lines:  # lines that stayed 0 only when all did
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, label=label)
             ax.set_title(panel["title"], fontsize=10)
             ax.set_xlabel("seconds into the run", fontsize=8)
             ax.set_ylabel(panel["fieldConfig"]["defaults"].get("unit", ""), fontsize=8)

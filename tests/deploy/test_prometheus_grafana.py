@@ -95,3 +95,18 @@ def test_provisioning_files_name_the_datasource_and_the_dashboards():
     assert datasources["datasources"][0]["type"] == "prometheus"
     providers = yaml.safe_load((root / "dashboards" / "pdserve.yml").read_text())
     assert providers["providers"][0]["type"] == "file"
+
+
+def test_the_docs_show_every_panel_and_a_figure_per_row():
+    docs = PROMETHEUS.parents[1] / "docs"
+    text = (docs / "observability.md").read_text()
+    for row in panels.ROWS:
+        slug = re.sub(r"[^a-z0-9]+", "_", row.title.lower()).strip("_")
+        assert (
+            f"(observability/{slug}.png)" in text
+            and (docs / "observability" / f"{slug}.png").exists()
+        )
+        for panel in row.panels:
+            assert f"| {panel.title} | {panel.answers} |" in text, panel.title
+    for rule in alert_rules():
+        assert rule["alert"] in text
