@@ -212,6 +212,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = service_config(args)
     assert isinstance(config, ClusterConfig)
+    if config.prometheus_targets:
+        from services.prometheus_targets import check_path
+
+        check_path(config.prometheus_targets)  # refused before anything starts
     os.environ[LOG_ENV] = args.log_format  # the children log as this process does
     configure_logging(args.log_format, "serve")
     # What every child would refuse, refused before any starts (no torch here: config.json).

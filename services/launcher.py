@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -30,10 +31,12 @@ from services.children import Child, ChildSpec, Pipes
 from services.common.cluster_config import ClusterConfig
 from services.common.config import API_KEY_ENV
 from services.common.config_json import to_json
+from services.common.logs import ENV as LOG_ENV
 from services.placement import PlacementPlan, plan_placement, visible_gpus
 from services.prometheus_targets import target_groups, write_targets
 
 READY_PREFIX = "ready "
+logger = logging.getLogger("pdserve.serve")
 
 
 # --- what to start -------------------------------------------------------------------------
@@ -132,9 +135,10 @@ class Supervisor:
         handlers = {
             sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)
         }
+        wrote_targets = False
         try:
             if self.spec.plan_line:
-                _log(f"pdserve: {self.spec.plan_line}")
+                _say(self.spec.plan_line)
             try:
                 self._wait_ready([self._start(spec) for spec in self.spec.workers])
                 addresses = {
@@ -147,19 +151,23 @@ class Supervisor:
             except _Stopped:
                 return 0
             except StartError as exc:
-                _log(f"pdserve: error: {exc}")
+                _say(f"error: {exc}", logging.ERROR)
                 return 1
             info = self.ready_info()
             if self.spec.prometheus_targets:
                 groups = target_groups(info["services"], self.spec.model)
                 write_targets(self.spec.prometheus_targets, groups)
-                _log(f"pdserve: Prometheus targets in {self.spec.prometheus_targets}")
+                wrote_targets = True
+                _say(f"Prometheus targets in {self.spec.prometheus_targets}")
             print(READY_PREFIX + json.dumps(info), flush=True)
-            return self._watch()
+            status = self._watch()
+            if status == 0 and wrote_targets:  # a clean stop: the targets leave with us
+                with contextlib.suppress(OSError):
+                    write_targets(str(self.spec.prometheus_targets), [])
+            # (A child that died leaves them: Prometheus sees it down and PdserveServiceDown
+            # fires. A cluster that never became ready never touches the file.)
+            return status
         finally:
-            if self.spec.prometheus_targets and os.path.exists(self.spec.prometheus_targets):
-                with contextlib.suppress(OSError):  # stopping: the targets leave with us
-                    write_targets(self.spec.prometheus_targets, [])
             self._stop_all()
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
@@ -233,7 +241,7 @@ class Supervisor:
                     self._drain(child)
                     code = child.proc.returncode
                     what = f"exited with code {code} while serving; stopping the cluster"
-                    _log(f"pdserve: error: {child.describe(what)}")
+                    _say(f"error: {child.describe(what)}", logging.ERROR)
                     return 1
         return 0
 
@@ -263,8 +271,8 @@ class Supervisor:
             self._pipes.pump(0.05)  # keep reading: a child logging on its way out must not block
         for child in alive:
             if child.proc.poll() is None:
-                _log(
-                    f"pdserve: {child.name} (pid {child.proc.pid}) still running "
+                _say(
+                    f"{child.name} (pid {child.proc.pid}) still running "
                     f"{self.spec.stop_timeout:g} s after SIGTERM; killing it"
                 )
                 child.proc.kill()
@@ -285,6 +293,15 @@ def _parse_ready(line: str) -> dict | None:
     ):
         return None
     return info
+
+
+def _say(message: str, level: int = logging.INFO) -> None:
+    """The supervisor's own message: a `pdserve: ...` line, or a JSON record with
+    --log-format json (`services/common/logs.py`), as its children's lines are."""
+    if os.environ.get(LOG_ENV) == "json":
+        logger.log(level, "%s", message)
+    else:
+        _log(f"pdserve: {message}")
 
 
 def _log(line: str) -> None:

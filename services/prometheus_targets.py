@@ -12,6 +12,7 @@ atomically (Prometheus watches it) and emptied when the cluster stops, so its ta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -44,15 +45,38 @@ def target_groups(services: Iterable[Mapping[str, Any]], model: str) -> list[dic
     return groups
 
 
+def check_path(path: str) -> None:
+    """Refuse a targets path that could not be written, before anything starts: ValueError
+    naming `prometheus_targets` for a folder, a missing or unwritable parent folder, or a name
+    Prometheus's `targets/*.json` glob would not read."""
+    folder = os.path.dirname(os.path.abspath(path))
+    problem = None
+    if os.path.isdir(path):
+        problem = "is a folder; name a file in it, e.g. targets/pdserve.json"
+    elif not os.path.isdir(folder):
+        problem = f"its folder {folder} does not exist"
+    elif not os.access(folder, os.W_OK):
+        problem = f"its folder {folder} is not writable"
+    elif not path.endswith(".json"):
+        problem = "must end in .json (prometheus.yml reads targets/*.json)"
+    if problem:
+        raise ValueError(f"prometheus_targets: {path} {problem}")
+
+
 def write_targets(path: str, groups: list[dict]) -> None:
-    """Replace `path` with `groups` as JSON in one rename (a reader never sees half a file).
+    """Replace `path` with `groups` as JSON in one rename (a reader never sees half a file; the
+    temporary file's name does not match `*.json`, and it is removed if the rename fails).
     Raises OSError naming the path."""
     folder = os.path.dirname(os.path.abspath(path))
+    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".targets-", suffix=".json", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=".targets-", suffix=".tmp", dir=folder)
         with os.fdopen(fd, "w") as f:
             json.dump(groups, f, indent=2)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except OSError as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
         raise OSError(f"prometheus_targets: cannot write {path} ({exc.strerror})") from None

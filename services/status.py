@@ -88,12 +88,14 @@ def table(listed: list[dict], router: str) -> Table:
         ("free/total blocks", "right"),
         ("pinned", "right"),
         ("prefix hit rate", "right"),
+        ("error", "left"),
     ):
-        out.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        out.add_column(name, justify=justify, no_wrap=name != "error")  # type: ignore[arg-type]
     for row in listed:
-        health = "[green]healthy[/]" if row["healthy"] else "[red]unhealthy[/]"
-        if row["error"]:
-            health += f" [yellow]({row['error']})[/]"
+        if row["error"]:  # the router routes there, but it did not answer just now
+            health = "[red]unreachable[/]"
+        else:
+            health = "[green]healthy[/]" if row["healthy"] else "[red]unhealthy[/]"
         blocks = "-" if row["num_blocks"] is None else f"{row['free_blocks']} / {row['num_blocks']}"
         out.add_row(
             row["role"],
@@ -105,12 +107,14 @@ def table(listed: list[dict], router: str) -> Table:
             blocks,
             _cell(row["pinned_blocks"]),
             _cell(row["prefix_hit_rate"], "{:.1%}"),
+            row["error"] or "",
         )
     return out
 
 
 def main(args: argparse.Namespace) -> int:
-    """Exit 0 with the table, 1 when the router does not answer, 2 for a bad --url."""
+    """Exit 0 with the table when every worker is healthy and answered, 3 when one is not (the
+    table still printed), 1 when the router does not answer, 2 for a bad --url."""
     import grpc  # here, not at import: `pdserve --help` loads no grpc
 
     from services.common.channels import check_address
@@ -127,11 +131,12 @@ def main(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         print(f"pdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    listed_rows = rows(listed)
     if args.json:
-        print(json.dumps(rows(listed)), flush=True)
+        print(json.dumps(listed_rows), flush=True)
     else:
         from rich.console import Console
 
         # A pipe gets the whole table (rich would squeeze it into 80 columns).
-        Console(width=None if sys.stdout.isatty() else 160).print(table(rows(listed), args.url))
-    return 0
+        Console(width=None if sys.stdout.isatty() else 160).print(table(listed_rows, args.url))
+    return 0 if all(row["healthy"] and not row["error"] for row in listed_rows) else 3

@@ -44,6 +44,12 @@ class _RoleFilter(logging.Filter):
         return True
 
 
+def _drop_color_message(record: logging.LogRecord) -> bool:
+    """uvicorn adds an ANSI-coloured copy of its message; JSON keeps the plain one."""
+    record.__dict__.pop("color_message", None)
+    return True
+
+
 def default_format() -> str:
     """`$PDSERVE_LOG_FORMAT` when it names a format, else "text"."""
     value = os.environ.get(ENV, "text")
@@ -71,8 +77,10 @@ def configure(log_format: str, role: str, level: int = logging.INFO) -> None:
                     "name": "logger",
                     "process": "pid",
                 },
+                datefmt="%Y-%m-%dT%H:%M:%S%z",  # ISO 8601 with the offset
             )
         )
+        handler.addFilter(_drop_color_message)
     else:
         handler.setFormatter(logging.Formatter(_TEXT))
     handler.set_name(_HANDLER_NAME)

@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 
 HEADER = "x-request-id"
 MAX_LENGTH = 128
-_ALLOWED = re.compile(r"[\w.:/@+=-]{1,128}")  # printable, no spaces or quotes: safe in logs
+# ASCII letters, digits and a few marks: valid gRPC metadata, no spaces or quotes, safe in logs.
+_ALLOWED = re.compile(r"[A-Za-z0-9_.:/@+=-]{1,128}", re.ASCII)
 T = TypeVar("T")
 
 current: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
@@ -32,7 +33,7 @@ def new_request_id() -> str:
 
 
 def accept(value: str | bytes | None) -> str | None:
-    """The client's id if it is usable (1-128 characters of letters, digits and `_.:/@+=-`),
+    """The client's id if it is usable (1-128 ASCII letters, digits and `_.:/@+=-`),
     else None (the caller generates one: a bad id is replaced, never an error)."""
     if isinstance(value, bytes):
         value = value.decode("ascii", "replace")

@@ -21,6 +21,7 @@ from services.common.engine_loop import EngineLoop
 from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.server import RunningService, wait_for_termination
 from services.engine.config import EngineConfig
+from services.engine.errors import InvalidRequestError
 from services.engine.outputs import RequestOutput
 from services.placement import format_cpus
 
@@ -86,6 +87,12 @@ class AdminServicer(worker_pb2_grpc.AdminServicer):
 
     def GetInfo(self, request, context):  # noqa: N802 - gRPC method name
         return worker_info(self.loop, self.config)
+
+    def ListWorkers(self, request, context):  # noqa: N802 - gRPC method name
+        """Only a router lists workers (`pdserve status --url` names a worker here)."""
+        raise InvalidRequestError(
+            "url", f"this is a {self.config.role.value} worker; pass the router's address"
+        )
 
     def ResetPrefixCache(self, request, context):
         cleared = self.loop.call(self.loop.engine.reset_prefix_cache)

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 # grpc reports a huge time_remaining (not None) for a call without a deadline.
 NO_CLIENT_DEADLINE_S = 1e8
+DEADLINE_SLACK_S = 0.25  # more than a loopback or LAN call's transit; less than any real deadline
 
 
 class GenerateFlow:
@@ -124,7 +125,9 @@ class GenerateFlow:
             if not finished:
                 code = self._failure_code(exc, deadline)
                 run.stats.on_failed(code)
-                logger.info("request failed: %s", code.name)
+                gone = isinstance(exc, GeneratorExit)
+                why = "the client went away" if gone else status_for(exc)[1]
+                logger.info("request failed: %s %s", code.name, why)
             raise
         finally:
             scope.cancel()  # anything still in flight is no longer wanted
@@ -134,9 +137,11 @@ class GenerateFlow:
     @staticmethod
     def _failure_code(exc: BaseException, deadline: float) -> grpc.StatusCode:
         """The code for the error counter; a cancel caused by the deadline counts as
-        DEADLINE_EXCEEDED."""
+        DEADLINE_EXCEEDED. A gRPC client's own deadline reaches the router as a cancel, a little
+        before the router's copy of it (which started when the call arrived): a cancel within
+        DEADLINE_SLACK_S of the deadline is the deadline's."""
         code = grpc.StatusCode.CANCELLED if isinstance(exc, GeneratorExit) else status_for(exc)[0]
-        if code == grpc.StatusCode.CANCELLED and time.monotonic() >= deadline:
+        if code == grpc.StatusCode.CANCELLED and time.monotonic() >= deadline - DEADLINE_SLACK_S:
             return grpc.StatusCode.DEADLINE_EXCEEDED
         return code
 

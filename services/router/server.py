@@ -48,22 +48,29 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def Generate(  # noqa: N802 - gRPC method name
         self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[generate_pb2.GenerateResponse]:
-        # The call's id (x-request-id metadata, else fresh), bound by the ErrorInterceptor.
-        rid = request_id.current.get() or request_id.new_request_id()
+        # The call's id: x-request-id metadata, else the request's own request_id field, else
+        # the fresh one the ErrorInterceptor bound; an unusable one is replaced.
+        metadata = context.invocation_metadata()
+        rid = (
+            request_id.from_metadata(metadata)
+            or request_id.accept(request.request_id)
+            or request_id.current.get()
+            or request_id.new_request_id()
+        )
         context.send_initial_metadata(request_id.metadata(rid))  # the client learns its id
-        if not request.request_id:
-            request.request_id = rid  # the workers' per-sequence ids start with it
-        try:
-            check_metadata(context.invocation_metadata(), self._key)
-        except UnauthenticatedError:
-            count_error(grpc.StatusCode.UNAUTHENTICATED)
-            raise
+        request.request_id = rid  # the workers' per-sequence ids start with it
+        with request_id.bound(rid):
+            try:
+                check_metadata(metadata, self._key)
+            except UnauthenticatedError:
+                count_error(grpc.StatusCode.UNAUTHENTICATED)
+                raise
         deadline = self.flow.deadline_for(context.time_remaining())
         scope = CancelScope()
         # Runs when the RPC ends for any reason: cancel, deadline, or normal completion (no-op).
         if not context.add_callback(scope.cancel):
             scope.cancel()  # the RPC is already over
-        yield from self.flow.generate(request, deadline, scope)
+        yield from request_id.bind_stream(self.flow.generate(request, deadline, scope), rid)
 
 
 @dataclass

@@ -155,7 +155,8 @@ class RequestStats:
             tpot = (end - self.start - ttft) / (self.num_tokens - 1)
             metrics.TIME_PER_OUTPUT_TOKEN.labels(ROLE).observe(tpot)
         metrics.REQUEST_SUCCESS.labels(ROLE, finish_reason).inc()
-        metrics.REQUEST_PROMPT_TOKENS.labels(ROLE).observe(self.prompt_tokens)
+        if self.counts_prompt:  # once per prompt, as pdserve_prompt_tokens_total counts it
+            metrics.REQUEST_PROMPT_TOKENS.labels(ROLE).observe(self.prompt_tokens)
         metrics.REQUEST_GENERATION_TOKENS.labels(ROLE).observe(self.num_tokens)
         timings = self.timings()
         for leg in LEGS:

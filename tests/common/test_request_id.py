@@ -18,7 +18,7 @@ from services.engine.errors import InvalidRequestError
 def test_accept_keeps_plain_ids_and_refuses_odd_ones():
     assert request_id.accept("abc-123_x.y:z/w@q+=") == "abc-123_x.y:z/w@q+="
     assert request_id.accept(b"bytes-id") == "bytes-id"
-    for bad in ("", None, "has space", 'quote"', "x" * 129, "new\nline"):
+    for bad in ("", None, "has space", 'quote"', "x" * 129, "new\nline", "café", b"caf\xe9"):
         assert request_id.accept(bad) is None
     assert request_id.from_metadata([("other", "1"), ("x-request-id", "mine")]) == "mine"
     assert request_id.from_metadata([("x-request-id", "bad id")]) is None
@@ -111,3 +111,24 @@ def test_the_interceptor_binds_the_metadata_id_or_a_new_one(new_ids):
         assert (seen[0] is not None) == new_ids and seen[0] != "client-id"
     finally:
         server.stop(0)
+
+
+def test_targets_paths_are_refused_before_anything_starts(tmp_path, capsys):
+    from services import cli
+    from services.prometheus_targets import check_path, write_targets
+
+    for path, why in (
+        (tmp_path, "is a folder"),
+        (tmp_path / "missing" / "t.json", "does not exist"),
+        (tmp_path / "t.yaml", "must end in .json"),
+    ):
+        with pytest.raises(ValueError, match=f"^prometheus_targets: .*{why}"):
+            check_path(str(path))
+    assert cli.main(["serve", "--prometheus-targets", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("pdserve: error: --prometheus-targets: ")
+    target = tmp_path / "t.json"
+    write_targets(str(target), [{"targets": ["127.0.0.1:1"], "labels": {}}])
+    assert json.loads(target.read_text())[0]["targets"] == ["127.0.0.1:1"]
+    with pytest.raises(OSError, match="^prometheus_targets: cannot write"):
+        write_targets(str(tmp_path), [])  # a folder: the rename fails
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]  # no temporary file left

@@ -102,10 +102,13 @@ def _router_metric(cluster, name: str, **labels: str) -> float:
     return scrape(router["metrics"], name, "router", **labels)
 
 
-def _stream_grpc(cluster, prompt: list[int], max_tokens: int, mix: Mix, **call) -> grpc.Call:
+def _stream_grpc(
+    cluster, prompt: list[int], max_tokens: int, mix: Mix, request_id: str = "", **call
+) -> grpc.Call:
     """Start a streamed gRPC request; a thread reads it into `mix` (returns the call)."""
     stub = generation_stub(cluster.ready["router"])
     request = generate_pb2.GenerateRequest(
+        request_id=request_id,
         token_ids=generate_pb2.TokenIds(ids=prompt),
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
     )
@@ -177,8 +180,9 @@ def run_mix(cluster, real_text_ids) -> Mix:
     _stream_http(
         client, mix, model=model, prompt="The capital of France is Paris. " * 4, max_tokens=5
     )
-    ok = _stream_grpc(cluster, real_text_ids[100:164], 10, mix, timeout=60)
+    ok = _stream_grpc(cluster, real_text_ids[100:164], 10, mix, "obs-field-1", timeout=60)
     ok.reader.join()
+    assert dict(ok.initial_metadata())["x-request-id"] == "obs-field-1"  # the field's id
     # Refused before any work: bad JSON, a wrong type, a range error, another model, a bad key.
     statuses = [
         _post(cluster, b"{not json"),
