@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.prometheus_server import PrometheusServer  # noqa: E402 - after the path
+from deploy.grafana.panels import slug, substitute  # noqa: E402 - after the path
+from tests.prometheus_server import PrometheusServer  # noqa: E402
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "pdserve.json"
 OUT = ROOT / "docs" / "observability"
@@ -46,26 +47,12 @@ def rows_of(dashboard: dict) -> list[tuple[str, list[dict]]]:
     return rows
 
 
-# "All" for the label variables; SLOs of 1 s TTFT and 100 ms TPOT (choices of the dashboard's).
-VARIABLES = {
-    "$model": ".*",
-    "$role": ".*",
-    "$worker": ".*",
-    "$ttft_slo": "1.0",
-    "$tpot_slo": "0.1",
-}
-
-
-def substitute(expr: str, rate_interval: str) -> str:
-    values = {"$__rate_interval": rate_interval, **VARIABLES}
-    for name, value in values.items():
-        expr = expr.replace(name, value)
-    return expr
+TTFT_SLO, TPOT_SLO = "1.0", "0.1"  # the figures' SLOs (choices of the dashboard's)
 
 
 def legend(fmt: str, labels: dict) -> str:
     text = re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt).strip()
-    return substitute(text, "")
+    return substitute(text, "", TTFT_SLO, TPOT_SLO)
 
 
 def _side_traffic(http: str, stop: threading.Event) -> None:
@@ -131,7 +118,7 @@ def plot(prometheus: PrometheusServer, start: float, end: float) -> list[Path]:
         for ax, panel in zip(axes.flat, panels, strict=False):
             lines = []
             for target in panel["targets"]:
-                expr = substitute(target["expr"], f"{int(4 * STEP_S)}s")
+                expr = substitute(target["expr"], f"{int(4 * STEP_S)}s", TTFT_SLO, TPOT_SLO)
                 for series in prometheus.query_range(expr, start, end, STEP_S):
                     points = [(float(t) - start, float(v)) for t, v in series["values"]]
                     points = [(t, v) for t, v in points if v == v]  # drop NaN (no traffic)
@@ -149,7 +136,7 @@ def plot(prometheus: PrometheusServer, start: float, end: float) -> list[Path]:
                 ax.legend(fontsize=6, loc="upper left")
         fig.suptitle(f"pdserve dashboard: {title}", fontsize=12)
         fig.tight_layout()
-        path = OUT / (re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_") + ".png")
+        path = OUT / f"{slug(title)}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
         written.append(path)

@@ -51,7 +51,7 @@ class ClusterSpec:
     start_timeout: float = 120.0  # seconds for each stage (workers, router) to become ready
     stop_timeout: float = 10.0  # seconds between SIGTERM and SIGKILL
     plan_line: str = ""  # the placement, logged at start
-    prometheus_targets: str | None = None  # file_sd file written once ready (emptied at exit)
+    prometheus_targets: str | None = None  # file_sd file once ready (emptied on a clean stop)
     model: str = ""  # the served model, the targets' `model` label
 
 
@@ -135,7 +135,6 @@ class Supervisor:
         handlers = {
             sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)
         }
-        wrote_targets = False
         try:
             if self.spec.plan_line:
                 _say(self.spec.plan_line)
@@ -157,13 +156,12 @@ class Supervisor:
             if self.spec.prometheus_targets:
                 groups = target_groups(info["services"], self.spec.model)
                 write_targets(self.spec.prometheus_targets, groups)
-                wrote_targets = True
                 _say(f"Prometheus targets in {self.spec.prometheus_targets}")
             print(READY_PREFIX + json.dumps(info), flush=True)
             status = self._watch()
-            if status == 0 and wrote_targets:  # a clean stop: the targets leave with us
+            if status == 0 and self.spec.prometheus_targets:  # a clean stop: the targets leave
                 with contextlib.suppress(OSError):
-                    write_targets(str(self.spec.prometheus_targets), [])
+                    write_targets(self.spec.prometheus_targets, [])
             # (A child that died leaves them: Prometheus sees it down and PdserveServiceDown
             # fires. A cluster that never became ready never touches the file.)
             return status

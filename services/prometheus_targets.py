@@ -7,7 +7,8 @@ alerts use (`deploy/prometheus/prometheus.yml` reads the file through `file_sd_c
 - `worker`: its gRPC address, the value the router's `pdserve_worker_healthy{worker}` carries;
 - `model`: the served model's name.
 Every metric already carries `role`, so the target labels do not repeat it. The file is replaced
-atomically (Prometheus watches it) and emptied when the cluster stops, so its targets leave.
+atomically (Prometheus watches it) and emptied when the cluster stops on SIGINT/SIGTERM, so its
+targets leave; a cluster that ends because a child died leaves them, so Prometheus sees it down.
 """
 
 from __future__ import annotations

@@ -37,36 +37,43 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+FIGURES = (
+    "running",
+    "waiting",
+    "kv_usage",
+    "free_blocks",
+    "num_blocks",
+    "pinned_blocks",
+    "prefix_hit_rate",
+)
+
+
 def rows(workers: worker_pb2.WorkerList) -> list[dict]:
-    """One dict per worker: role, address, healthy, running, waiting, kv_usage (0-1),
-    free_blocks, num_blocks, pinned_blocks, prefix_hit_rate (0-1, None before any lookup),
-    error (None when it answered)."""
+    """One dict per worker: role, address, healthy, error (None when it answered), and FIGURES:
+    running, waiting, kv_usage (0-1), free_blocks, num_blocks, pinned_blocks, prefix_hit_rate
+    (0-1, None before any lookup); every figure None when the worker did not answer."""
     out = []
     for worker in workers.workers:
-        info = worker.info
-        answered = worker.HasField("info")
-        blocks = info.num_blocks
-        out.append(
-            {
-                "role": worker.role,
-                "address": worker.address,
-                "healthy": worker.healthy,
-                "running": info.num_running if answered else None,
-                "waiting": info.num_waiting if answered else None,
-                "kv_usage": (blocks - info.num_free_blocks) / blocks
-                if answered and blocks
-                else None,
-                "free_blocks": info.num_free_blocks if answered else None,
-                "num_blocks": blocks if answered else None,
-                "pinned_blocks": info.num_pinned_blocks if answered else None,
-                "prefix_hit_rate": (
-                    info.prefix_cache_hits / info.prefix_cache_queries
-                    if answered and info.prefix_cache_queries
-                    else None
-                ),
-                "error": worker.error or None,
-            }
-        )
+        row = {
+            "role": worker.role,
+            "address": worker.address,
+            "healthy": worker.healthy,
+            "error": worker.error or None,
+            **dict.fromkeys(FIGURES),
+        }
+        if worker.HasField("info"):
+            info = worker.info
+            blocks, queries = info.num_blocks, info.prefix_cache_queries
+            row.update(
+                running=info.num_running,
+                waiting=info.num_waiting,
+                kv_usage=(blocks - info.num_free_blocks) / blocks if blocks else None,
+                free_blocks=info.num_free_blocks,
+                num_blocks=blocks,
+                pinned_blocks=info.num_pinned_blocks,
+                prefix_hit_rate=info.prefix_cache_hits / queries if queries else None,
+            )
+        out.append(row)
     return out
 
 

@@ -30,13 +30,19 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableRefresh,
 )
 
-from deploy.grafana.panels import ROWS, Panel
+from deploy.grafana.panels import (
+    ALL,
+    DEFAULT_TPOT_SLO,
+    DEFAULT_TTFT_SLO,
+    ROWS,
+    TPOT_SLOS,
+    TTFT_SLOS,
+    Panel,
+)
 
 OUT = Path(__file__).parent / "dashboards" / "pdserve.json"
 UID = "pdserve-overview"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
-TTFT_SLOS = ("0.1", "0.2", "0.5", "1.0", "2.0")  # le values as prometheus-client writes them
-TPOT_SLOS = ("0.02", "0.05", "0.1")
 WIDTH, HEIGHT = 8, 8  # three panels a row on Grafana's 24-column grid
 
 
@@ -52,7 +58,7 @@ def _label_variable(name: str, query: str, label: str) -> gd.QueryVariable:
         .query(query)
         .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
         .include_all(True)
-        .all_value(".*")
+        .all_value(ALL)
         .multi(True)
         .current(VariableOption(selected=True, text="All", value="$__all"))
     )
@@ -122,8 +128,8 @@ def build() -> gd.Dashboard:
                 "Worker",
             )
         )
-        .with_variable(_slo_variable("ttft_slo", "TTFT SLO (s)", TTFT_SLOS, "0.5"))
-        .with_variable(_slo_variable("tpot_slo", "TPOT SLO (s)", TPOT_SLOS, "0.05"))
+        .with_variable(_slo_variable("ttft_slo", "TTFT SLO (s)", TTFT_SLOS, DEFAULT_TTFT_SLO))
+        .with_variable(_slo_variable("tpot_slo", "TPOT SLO (s)", TPOT_SLOS, DEFAULT_TPOT_SLO))
     )
     y, ids = 0, iter(range(1, 1000))  # panel ids: unique within the dashboard
     for row in ROWS:

@@ -10,11 +10,43 @@ filtered by the `role` and `worker` variables. `$__rate_interval` is Grafana's o
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+ALL = ".*"  # a label variable's value with "All" selected (its all_value)
+TTFT_SLOS = ("0.1", "0.2", "0.5", "1.0", "2.0")  # le values as prometheus-client writes them
+TPOT_SLOS = ("0.02", "0.05", "0.1")
+DEFAULT_TTFT_SLO, DEFAULT_TPOT_SLO = "0.5", "0.05"
 ROUTER = 'role="router", model=~"$model"'
 WORKER = 'model=~"$model", role=~"$role", worker=~"$worker"'
 RATE = "[$__rate_interval]"
+
+
+def substitute(
+    expr: str,
+    rate_interval: str,
+    ttft_slo: str = DEFAULT_TTFT_SLO,
+    tpot_slo: str = DEFAULT_TPOT_SLO,
+) -> str:
+    """`expr` (a query or a legend) with the dashboard's variables put in as Grafana would with
+    "All" selected for model, role and worker, the SLO choices given, and `rate_interval` for
+    Grafana's `$__rate_interval` (what the observability test and the docs' figures run)."""
+    values = {
+        "$__rate_interval": rate_interval,
+        "$model": ALL,
+        "$role": ALL,
+        "$worker": ALL,
+        "$ttft_slo": ttft_slo,
+        "$tpot_slo": tpot_slo,
+    }
+    for name, value in values.items():
+        expr = expr.replace(name, value)
+    return expr
+
+
+def slug(title: str) -> str:
+    """A row's figure name in docs/observability/ ("TTFT legs" -> "ttft_legs")."""
+    return re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_")
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ class ClusterConfig:
     --*-threads wins over the plan."""
     prometheus_targets: str | None = None
     """Write a Prometheus file_sd targets file here once the cluster is ready (every service's
-    /metrics, with service, worker and model labels; emptied at exit): what
+    /metrics, with service, worker and model labels; emptied after a clean stop): what
     deploy/prometheus/prometheus.yml reads (`services/prometheus_targets.py`)."""
 
     def __post_init__(self) -> None:

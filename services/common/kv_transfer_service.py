@@ -122,10 +122,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         )
 
     def ReleaseKV(self, request, context):
-        rid = request.request_id
-        released = self.sender.leases.complete(rid)  # thread-safe: the lease table has a lock
-        if released:  # the pin itself is freed on the engine thread (KVSender.release)
-            self.on_engine(lambda: self.sender.release_pin(rid))
+        released = self.sender.release(request.request_id, self.on_engine)
         return worker_pb2.ReleaseKVResponse(released=released)
 
 

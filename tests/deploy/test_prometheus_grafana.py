@@ -101,7 +101,7 @@ def test_the_docs_show_every_panel_and_a_figure_per_row():
     docs = PROMETHEUS.parents[1] / "docs"
     text = (docs / "observability.md").read_text()
     for row in panels.ROWS:
-        slug = re.sub(r"[^a-z0-9]+", "_", row.title.lower()).strip("_")
+        slug = panels.slug(row.title)
         assert (
             f"(observability/{slug}.png)" in text
             and (docs / "observability" / f"{slug}.png").exists()

@@ -90,12 +90,17 @@ class KVSender:
             self.release_pin(request_id)
         return expired
 
-    def release(self, request_id: str) -> bool:
+    def release(
+        self, request_id: str, on_engine: Callable[[Callable[[], object]], object] | None = None
+    ) -> bool:
         """A destination is done with the request's KV: unpin it. False if this call ended
-        nothing (late, duplicate, or before the publish: then the publish unpins)."""
+        nothing (late, duplicate, or before the publish: then the publish unpins). The lease
+        ends here, on any thread (the lease table has a lock); the pin is freed by
+        `on_engine(fn)` on the source engine's thread (default: at once, the caller being on it;
+        the gRPC service posts it to its engine loop)."""
         if not self.leases.complete(request_id):
             return False
-        self.release_pin(request_id)
+        (on_engine or _run_now)(lambda: self.release_pin(request_id))
         return True
 
     def status(self, request_id: str) -> TransferStatus | None:
@@ -128,3 +133,7 @@ class KVSender:
     def close(self) -> None:
         """Stop serving: later pulls fail as from a dead peer (reason "unavailable")."""
         self._closed = True
+
+
+def _run_now(fn: Callable[[], object]) -> object:
+    return fn()
