@@ -22,6 +22,10 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
     fi
 fi
 . .venv/bin/activate
+# The Ray deployment's tests (tests/deploy/test_ray_serve.py) need the optional extra.
+if ! python -c "import ray.serve" 2>/dev/null; then
+    python -m pip install -q -e '.[ray]'
+fi
 # Lint and types first: CI fails on them as on a test (ruff rules and mypy settings: pyproject.toml).
 ruff check .
 ruff format --check .

@@ -59,6 +59,13 @@ class ChannelCache:
                 self._channels[address] = channel
             return channel
 
+    def drop(self, address: str) -> None:
+        """Close and forget the channel to `address`, if any (a worker that left)."""
+        with self._lock:
+            channel = self._channels.pop(address, None)
+        if channel is not None:
+            channel.close()
+
     def close(self) -> None:
         """Close every channel (in-flight calls on them fail with CANCELLED)."""
         with self._lock:

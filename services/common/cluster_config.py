@@ -27,7 +27,7 @@ W = TypeVar("W", bound=WorkerConfig)
 _WORKER_ONLY = ("role", "engine_id")  # set per worker, never a flag
 
 
-_POOL = ("engine", "host", "port", "metrics_port")
+_POOL = ("engine", "host", "port", "metrics_port", "register_with")
 PLACEMENTS = ("auto", "none")
 
 
@@ -105,7 +105,7 @@ class ClusterConfig:
             worker = getattr(self, pool)
             if dataclasses.replace(worker.engine, engine_id="-") != anonymous:
                 raise ValueError(f"{pool}.engine: set by the cluster; set `engine` instead")
-            for name in ("host", "port", "metrics_port"):
+            for name in ("host", "port", "metrics_port", "register_with"):
                 if getattr(worker, name) != getattr(WorkerConfig, name):
                     raise ValueError(f"{pool}.{name}: set by the cluster (router.host, free ports)")
         if self.prefill.index != PrefixIndexConfig():

@@ -119,6 +119,9 @@ class RouterConfig:
     /health and /metrics stay open (default: $PDSERVE_API_KEY, else none)."""
     http: HttpConfig = field(default_factory=HttpConfig)
     """The HTTP API's limits and timeouts."""
+    registration_ttl: float = 10.0
+    """Seconds a worker that registered at run time (`--register-with`, or the Ray
+    deployment's registry) stays in the pool without renewing."""
     cpus: str | None = None
     """CPU affinity, e.g. 0 or 0-1 (default: not pinned; `pdserve serve` sets its plan's)."""
 
@@ -175,6 +178,12 @@ class RouterConfig:
             "<hidden>",
         )
         _check(isinstance(self.http, HttpConfig), "http", "must be an HttpConfig", self.http)
+        _check(
+            _is_number(self.registration_ttl) and self.registration_ttl > 0,
+            "registration_ttl",
+            "must be > 0 seconds",
+            self.registration_ttl,
+        )
         if self.cpus is not None:
             parse_cpu_list(self.cpus, flag="cpus")
 
@@ -205,6 +214,9 @@ class WorkerConfig:
     """CPU affinity, e.g. 0,1 or 0-3 (default: not pinned)."""
     drain_timeout: float = 30.0
     """On SIGTERM: seconds to finish in-flight requests (new ones are refused)."""
+    register_with: tuple[str, ...] = ()
+    """A router's HOST:PORT to join at start (Admin.RegisterWorker), renewing until a clean
+    stop leaves it (repeat the flag for each router; default: the router lists this worker)."""
 
     role: typing.ClassVar[EngineRole]
 
@@ -223,6 +235,12 @@ class WorkerConfig:
             "drain_timeout",
             "must be >= 0 seconds",
             self.drain_timeout,
+        )
+        _check(
+            isinstance(self.register_with, tuple),
+            "register_with",
+            "must be a tuple of HOST:PORT",
+            self.register_with,
         )
 
     def engine_config(self) -> EngineConfig:

@@ -61,6 +61,11 @@ class EngineLoop:
         self._publish_metrics()
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (started, not stopped, not died)."""
+        return self._thread.is_alive() and not self._stopped
+
     def stop(self) -> None:
         """Stop the thread; calls still queued (or made later) fail with ShuttingDownError."""
         self._stopped = True

@@ -168,6 +168,17 @@ WORKER_HEALTHY = Gauge(
     "1 while a worker passes the router's health checks, else 0.",
     ["role", "worker"],
 )
+
+
+def forget_worker(address: str) -> None:
+    """Drop a worker's `pdserve_worker_healthy` series once it left the router's pool (else
+    a replaced Ray replica would show as down forever)."""
+    try:
+        WORKER_HEALTHY.remove("router", address)
+    except KeyError:
+        pass
+
+
 KV_CACHE_BYTES = Gauge(
     "pdserve_kv_cache_bytes", "KV cache bytes by state (free, used, pinned).", ["role", "state"]
 )

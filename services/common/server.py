@@ -135,6 +135,19 @@ def _add_health(
     return health_servicer
 
 
+def is_serving(service: RunningService, timeout_s: float = 2.0) -> bool:
+    """Whether the service answers its own gRPC health check with SERVING (over loopback to
+    its address: a wedged server fails it too)."""
+    with grpc.insecure_channel(service.grpc_address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == _Health.SERVING
+
+
 def wait_for_termination(
     service: RunningService,
     on_stop: Callable[[], None] | None = None,
@@ -153,6 +166,19 @@ def wait_for_termination(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    drain_and_stop(service, on_stop, grace, draining, drained, drain_timeout)
+
+
+def drain_and_stop(
+    service: RunningService,
+    on_stop: Callable[[], None] | None = None,
+    grace: float = 5.0,
+    draining: threading.Event | None = None,
+    drained: Callable[[], bool] | None = None,
+    drain_timeout: float = 0.0,
+) -> None:
+    """The stop half of `wait_for_termination` (also what a Ray replica runs when Serve
+    stops it)."""
     if draining is not None:
         draining.set()
     service.health.enter_graceful_shutdown()

@@ -9,7 +9,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -18,8 +18,9 @@ from services.common.config import WorkerConfig
 from services.common.config_json import to_json
 from services.common.convert import layout_to_proto
 from services.common.engine_loop import EngineLoop
+from services.common.membership import Member, Registrar
 from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.server import RunningService, wait_for_termination
+from services.common.server import RunningService, drain_and_stop, wait_for_termination
 from services.engine.config import EngineConfig
 from services.engine.errors import InvalidRequestError
 from services.engine.outputs import RequestOutput
@@ -29,6 +30,7 @@ W = TypeVar("W", bound=WorkerConfig)
 
 _POLL_SECONDS = 0.05
 WARM_UP_TIMEOUT_S = 600.0  # a big model's first forwards on a slow CPU; the launcher waits 120 s
+REGISTER_TIMEOUT_S = 5.0
 logger = logging.getLogger(__name__)
 
 
@@ -94,6 +96,12 @@ class AdminServicer(worker_pb2_grpc.AdminServicer):
             "url", f"this is a {self.config.role.value} worker; pass the router's address"
         )
 
+    def RegisterWorker(self, request, context):  # noqa: N802 - gRPC method name
+        """Only a router has a pool to join."""
+        raise InvalidRequestError(
+            "register_with", f"this is a {self.config.role.value} worker, not a router"
+        )
+
     def ResetPrefixCache(self, request, context):
         cleared = self.loop.call(self.loop.engine.reset_prefix_cache)
         return worker_pb2.ResetPrefixCacheResponse(num_workers=1, num_hashes_dropped=cleared)
@@ -132,6 +140,34 @@ class RunningWorker:
     draining: threading.Event  # set on SIGTERM: the servicers refuse new requests
     drained: Callable[[], bool]  # nothing left that a peer still needs from this worker
     close: Callable[[], None]  # stops the engine loop and the worker's threads
+    registrars: list[Registrar] = field(default_factory=list)  # one per router it joined
+
+    def join(self, member: Member, register: Callable[[Member, bool], float], to: str) -> None:
+        """Register with a router (or a registry) through `register` and keep renewing until
+        the worker stops (`Registrar`); raises what the first call raises."""
+        registrar = Registrar(member, register, description=to)
+        registrar.start()
+        self.registrars.append(registrar)
+
+    def join_routers(self, routers: tuple[str, ...]) -> None:
+        """`--register-with`: join each router's pool over gRPC (Admin.RegisterWorker). On
+        failure the worker stops and the error (naming the router) is raised."""
+        member = Member(self.loop.role, self.service.grpc_address, self.service.metrics_url)
+        try:
+            for router in routers:
+                self.join(member, _grpc_register(router), f"router {router}")
+        except grpc.RpcError as exc:
+            self.stop(grace=0)
+            raise ConnectionError(
+                f"register_with: router {router} refused or did not answer "
+                f"({exc.code().name}: {exc.details()})"
+            ) from None
+
+    def shutdown(self) -> None:
+        """Leave every router's pool, then close (after the drain)."""
+        for registrar in self.registrars:
+            registrar.stop(leave=True)
+        self.close()
 
     def warm_up_and_serve(self) -> float:
         """Run the engine's warm-up (`Engine.warm_up`) on the engine thread, the thread whose
@@ -157,7 +193,18 @@ class RunningWorker:
         print(self.ready_line(), flush=True)
         wait_for_termination(
             self.service,
-            on_stop=self.close,
+            on_stop=self.shutdown,
+            draining=self.draining,
+            drained=self.drained,
+            drain_timeout=drain_timeout,
+        )
+
+    def drain_and_stop(self, drain_timeout: float) -> None:
+        """What SIGTERM does, without the signal (a Ray replica that Serve stops): refuse new
+        requests, finish those in flight for up to `drain_timeout` seconds, leave, close."""
+        drain_and_stop(
+            self.service,
+            on_stop=self.shutdown,
             draining=self.draining,
             drained=self.drained,
             drain_timeout=drain_timeout,
@@ -166,4 +213,28 @@ class RunningWorker:
     def stop(self, grace: float = 1.0) -> None:
         """Stop serving and close (tests, in-process deployments)."""
         self.service.server.stop(grace).wait()
-        self.close()
+        self.shutdown()
+
+
+def _grpc_register(router: str) -> Callable[[Member, bool], float]:
+    """The transport of `--register-with`: Admin.RegisterWorker on `router` (its API key, if
+    any, from $PDSERVE_API_KEY), returning the ttl it grants."""
+    from services.common.channels import ChannelCache
+    from services.common.config import API_KEY_ENV
+
+    stub = worker_pb2_grpc.AdminStub(ChannelCache().get(router))
+    key = os.environ.get(API_KEY_ENV)
+    metadata = [("authorization", f"Bearer {key}")] if key else None
+
+    def register(member: Member, leave: bool) -> float:
+        request = worker_pb2.RegisterWorkerRequest(
+            role=member.role,
+            address=member.address,
+            metrics_url=member.metrics_url,
+            name=member.name,
+            leave=leave,
+        )
+        reply = stub.RegisterWorker(request, timeout=REGISTER_TIMEOUT_S, metadata=metadata)
+        return reply.ttl_seconds
+
+    return register

@@ -222,6 +222,7 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
 
     worker = RunningWorker(service, loop, decode.draining, lambda: decode.num_streams == 0, close)
     worker.warm_up_and_serve()
+    worker.join_routers(config.register_with)
     return worker
 
 

@@ -132,6 +132,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
 
     worker = RunningWorker(service, loop, prefill.draining, drained, close)
     worker.warm_up_and_serve()
+    worker.join_routers(config.register_with)
     return worker
 
 

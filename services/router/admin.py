@@ -8,9 +8,11 @@ import grpc
 
 from services.common.config import RouterConfig
 from services.common.config_json import to_json
-from services.common.errors import ServiceUnavailableError
+from services.common.errors import InvalidRequestError, ServiceUnavailableError
+from services.common.membership import WORKER_ROLES, Member
 from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
 from services.router.api_key import REDACTED, check_metadata
+from services.router.membership import RouterMembership
 from services.router.prompt import ModelInfo
 from services.router.workers import WorkerPool
 
@@ -25,8 +27,15 @@ class RouterAdminServicer(worker_pb2_grpc.AdminServicer):
     With an API key, both want it (UnauthenticatedError otherwise), as Generate does.
     """
 
-    def __init__(self, pool: WorkerPool, config: RouterConfig, model: ModelInfo) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        config: RouterConfig,
+        model: ModelInfo,
+        membership: RouterMembership,
+    ) -> None:
         self.pool = pool
+        self.membership = membership
         self._key = config.api_key.encode() if config.api_key else None
         self.info = common_pb2.WorkerInfo(
             role="router",
@@ -67,6 +76,22 @@ class RouterAdminServicer(worker_pb2_grpc.AdminServicer):
             except grpc.RpcError as exc:
                 status.error = f"{exc.code().name}: {exc.details()}"
         return listed
+
+    def RegisterWorker(self, request, context):  # noqa: N802 - gRPC method name
+        """A worker joins, renews or leaves the pool (`RouterMembership`); INVALID_ARGUMENT
+        names a bad role or address. Wants the API key when the router has one."""
+        check_metadata(context.invocation_metadata(), self._key)
+        if request.role not in WORKER_ROLES:
+            raise InvalidRequestError(
+                "role", f"expected one of {list(WORKER_ROLES)}, got {request.role!r}"
+            )
+        try:
+            member = Member(request.role, request.address, request.metrics_url, request.name)
+        except ValueError as exc:
+            field, _, message = str(exc).partition(": ")
+            raise InvalidRequestError(field, message) from None
+        ttl = self.membership.register(member, leave=request.leave)
+        return worker_pb2.RegisterWorkerResponse(ttl_seconds=ttl)
 
     def ResetPrefixCache(self, request, context):  # noqa: N802 - gRPC method name
         check_metadata(context.invocation_metadata(), self._key)

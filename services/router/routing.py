@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import defaultdict
 from collections.abc import Sequence
 
 from services.common.prefix_index import (
@@ -61,10 +62,10 @@ class Routing:
         )
         self.learn = redis_url is None
         self._lock = threading.Lock()
-        self.queued_tokens = {
-            a: 0 for a in pool.prefill
-        }  # prompt tokens in flight per prefill worker
-        self.in_flight = {a: 0 for a in pool.decode}  # decode streams per decode worker
+        # Per worker, whenever it joined the pool: prompt tokens in flight (prefill), streams
+        # (decode).
+        self.queued_tokens: defaultdict[str, int] = defaultdict(int)
+        self.in_flight: defaultdict[str, int] = defaultdict(int)
         self._index_down = False
         self._turns = {"prefill": 0, "decode": 0}
 

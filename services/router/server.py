@@ -25,6 +25,7 @@ from services.router.cancel import CancelScope
 from services.router.generate import GenerateFlow
 from services.router.http_api import OpenAIApp
 from services.router.http_server import HttpServer
+from services.router.membership import RouterMembership
 from services.router.prompt import ModelInfo
 from services.router.routing import Routing
 from services.router.stats import count_error
@@ -80,6 +81,7 @@ class RunningRouter:
     service: RunningService
     flow: GenerateFlow
     http: HttpServer | None
+    membership: RouterMembership
     app: OpenAIApp | None = None
 
     def ready_line(self) -> str:
@@ -94,6 +96,7 @@ class RunningRouter:
             self.http.close()  # lets running streams finish (http.shutdown_timeout)
         if self.app is not None:
             self.app.close()
+        self.membership.close()
         self.flow.pool.close()
 
     def stop(self, grace: float = 1.0) -> None:
@@ -102,10 +105,11 @@ class RunningRouter:
         self.close()
 
 
-def build_flow(config: RouterConfig) -> GenerateFlow:
-    """Model info, worker pool and flow of a router. ValueError names a bad field."""
+def build_flow(config: RouterConfig, dynamic: bool = False) -> GenerateFlow:
+    """Model info, worker pool and flow of a router (`dynamic`: its workers register at run
+    time, so an empty pool is expected). ValueError names a bad field."""
     model = ModelInfo.load(config.model, config.max_model_len)
-    pool = WorkerPool(config.prefill, config.decode)
+    pool = WorkerPool(config.prefill, config.decode, dynamic=dynamic)
     routing = Routing(pool, config.routing, config.index.redis_url, config.index.index_ttl)
     return GenerateFlow(
         model,
@@ -118,15 +122,19 @@ def build_flow(config: RouterConfig) -> GenerateFlow:
     )
 
 
-def start_router(config: RouterConfig) -> RunningRouter:
+def start_router(config: RouterConfig, dynamic: bool = False) -> RunningRouter:
     """Starts the router `config` describes and returns once it accepts requests (what `serve`,
     the tests and the Ray deployment call).
 
-    Raises ValueError for a bad field, OSError naming the port that cannot be bound.
+    Workers in `config.prefill` / `config.decode` stay; others join and leave through
+    `Admin.RegisterWorker` or `RunningRouter.membership.follow` (`dynamic`: expect that, so an
+    empty pool is no warning). Raises ValueError for a bad field, OSError naming the port that
+    cannot be bound.
     """
-    flow = build_flow(config)
+    flow = build_flow(config, dynamic)
     servicer = GenerationServicer(flow, config.api_key)
-    admin = RouterAdminServicer(flow.pool, config, flow.model)
+    membership = RouterMembership(flow.pool, config.registration_ttl)
+    admin = RouterAdminServicer(flow.pool, config, flow.model, membership)
     try:
         service = start_service(
             "router",
@@ -144,6 +152,7 @@ def start_router(config: RouterConfig) -> RunningRouter:
         flow.pool.close()
         raise
     flow.pool.start_health_checks()
+    membership.start()
     http, app = None, None
     if config.http_port is not None:
         app = OpenAIApp(flow, config)
@@ -151,11 +160,12 @@ def start_router(config: RouterConfig) -> RunningRouter:
             http = HttpServer(app, config.host, config.http_port, config.http)
         except OSError:
             service.server.stop(0)
+            membership.close()
             flow.pool.close()
             raise
     warn_if_open(config)
     admin.set_config(effective_router_config(config, service, http, flow.model.max_model_len))
-    return RunningRouter(service, flow, http, app)
+    return RunningRouter(service, flow, http, membership, app)
 
 
 def effective_router_config(

@@ -1,6 +1,7 @@
 """The router's view of its workers: addresses, cached channels, health, and what GetInfo says.
 
-Membership is the static list of `--prefill` / `--decode` addresses. `start_health_checks()`
+Membership is the `--prefill` / `--decode` addresses plus the workers that register at run time
+(`add` / `remove`, driven by `services/router/membership.py`). `start_health_checks()`
 runs a thread that asks every worker's standard gRPC health service (`grpc.health.v1.Health`,
 service "") every `interval_s` seconds: a worker that fails HEALTH_FAILURES checks in a row (no
 SERVING answer within `timeout_s`: dead, hung, or draining after SIGTERM) gets no new requests
@@ -54,12 +55,16 @@ class WorkerPool:
     one connection. Thread-safe.
     """
 
-    def __init__(self, prefill: Iterable[str], decode: Iterable[str]) -> None:
+    def __init__(
+        self, prefill: Iterable[str], decode: Iterable[str], dynamic: bool = False
+    ) -> None:
+        # Replaced, never mutated (`add` / `remove`): a reader's list stays consistent.
         self.prefill = [check_address(a, "prefill") for a in prefill]
         self.decode = [check_address(a, "decode") for a in decode]
-        if not self.decode:
+        self._configured = frozenset([*self.prefill, *self.decode])  # never removed
+        if not self.decode and not dynamic:
             logger.warning("no decode workers: every request gets UNAVAILABLE")
-        if not self.prefill:  # fine when every prompt is prefilled locally
+        if not self.prefill and not dynamic:  # fine when every prompt is prefilled locally
             logger.warning(
                 "no prefill workers: a request sent to the prefill pool gets UNAVAILABLE"
             )
@@ -77,6 +82,39 @@ class WorkerPool:
         self._prefill_num_blocks: int | None = None
         self._stop = threading.Event()
         self._health_thread: threading.Thread | None = None
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def add(self, role: str, address: str) -> None:
+        """`address` joins the `role` pool ("prefill" | "decode") and gets requests at once (a
+        worker registers once it serves); no-op when it is there already."""
+        check_address(address, role)
+        with self._lock:
+            if address in getattr(self, role):
+                return
+            setattr(self, role, [*getattr(self, role), address])
+        logger.info("%s worker %s joined the pool", role, address)
+
+    def remove(self, role: str, address: str) -> None:
+        """`address` leaves the `role` pool: no new requests, its channel closed (calls still
+        on it fail with CANCELLED: it left cleanly or its lease lapsed). A configured address
+        (`--prefill` / `--decode`) stays."""
+        with self._lock:
+            if address not in getattr(self, role) or address in self._configured:
+                return
+            setattr(self, role, [a for a in getattr(self, role) if a != address])
+            for table in (
+                self._capacity,
+                self._capacity_retry_at,
+                self._failures,
+                self._free_blocks,
+                self._max_num_seqs,
+            ):
+                table.pop(address, None)
+            self.unhealthy.discard(address)
+        self._channels.drop(address)
+        metrics.forget_worker(address)
+        logger.info("%s worker %s left the pool", role, address)
 
     # -- health --------------------------------------------------------------------------------
 
@@ -110,6 +148,8 @@ class WorkerPool:
                 except grpc.RpcError:
                     self._free_blocks.pop(address, None)
             with self._lock:
+                if address not in self.prefill and address not in self.decode:
+                    continue  # it left the pool during the check
                 self._failures[address] = 0 if healthy else self._failures.get(address, 0) + 1
                 healthy = healthy or (
                     self._failures[address] < HEALTH_FAILURES and address not in self.unhealthy

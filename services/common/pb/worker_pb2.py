@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"s\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12$\n\x04info\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"7\n\nWorkerList\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\"\x80\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\xe5\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x07 \x01(\x01\"\xa8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xce\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x07 \x01(\x01\"\x19\n\x17ResetPrefixCacheRequest\"K\n\x18ResetPrefixCacheResponse\x12\x13\n\x0bnum_workers\x18\x01 \x01(\x05\x12\x1a\n\x12num_hashes_dropped\x18\x02 \x01(\x03\"_\n\x12KVHandshakeRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x11\n\tengine_id\x18\x03 \x01(\t\"w\n\x13KVHandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\"*\n\x13RenewKVLeaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\'\n\x14RenewKVLeaseResponse\x12\x0f\n\x07renewed\x18\x01 \x03(\x08\"J\n\rPullKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\"g\n\x07KVChunk\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x62lock_offset\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x89\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\x87\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\xe2\x01\n\x05\x41\x64min\x12]\n\x10ResetPrefixCache\x12#.pdserve.v1.ResetPrefixCacheRequest\x1a$.pdserve.v1.ResetPrefixCacheResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12>\n\x0bListWorkers\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerList2\xb3\x02\n\nKVTransfer\x12L\n\tHandshake\x12\x1e.pdserve.v1.KVHandshakeRequest\x1a\x1f.pdserve.v1.KVHandshakeResponse\x12:\n\x06PullKV\x12\x19.pdserve.v1.PullKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12Q\n\x0cRenewKVLease\x12\x1f.pdserve.v1.RenewKVLeaseRequest\x1a .pdserve.v1.RenewKVLeaseResponse\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"s\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12$\n\x04info\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"7\n\nWorkerList\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\"\x80\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\xe5\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x07 \x01(\x01\"\xa8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xce\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x07 \x01(\x01\"h\n\x15RegisterWorkerRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x03 \x01(\t\x12\r\n\x05leave\x18\x04 \x01(\x08\x12\x0c\n\x04name\x18\x05 \x01(\t\"-\n\x16RegisterWorkerResponse\x12\x13\n\x0bttl_seconds\x18\x01 \x01(\x01\"\x19\n\x17ResetPrefixCacheRequest\"K\n\x18ResetPrefixCacheResponse\x12\x13\n\x0bnum_workers\x18\x01 \x01(\x05\x12\x1a\n\x12num_hashes_dropped\x18\x02 \x01(\x03\"_\n\x12KVHandshakeRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x11\n\tengine_id\x18\x03 \x01(\t\"w\n\x13KVHandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\"*\n\x13RenewKVLeaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\'\n\x14RenewKVLeaseResponse\x12\x0f\n\x07renewed\x18\x01 \x03(\x08\"J\n\rPullKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\"g\n\x07KVChunk\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x62lock_offset\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x89\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\x87\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\xbb\x02\n\x05\x41\x64min\x12]\n\x10ResetPrefixCache\x12#.pdserve.v1.ResetPrefixCacheRequest\x1a$.pdserve.v1.ResetPrefixCacheResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12>\n\x0bListWorkers\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerList\x12W\n\x0eRegisterWorker\x12!.pdserve.v1.RegisterWorkerRequest\x1a\".pdserve.v1.RegisterWorkerResponse2\xb3\x02\n\nKVTransfer\x12L\n\tHandshake\x12\x1e.pdserve.v1.KVHandshakeRequest\x1a\x1f.pdserve.v1.KVHandshakeResponse\x12:\n\x06PullKV\x12\x19.pdserve.v1.PullKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12Q\n\x0cRenewKVLease\x12\x1f.pdserve.v1.RenewKVLeaseRequest\x1a .pdserve.v1.RenewKVLeaseResponse\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,32 +44,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST']._serialized_end=770
   _globals['_DECODERESPONSE']._serialized_start=773
   _globals['_DECODERESPONSE']._serialized_end=979
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=981
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1006
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1008
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1083
-  _globals['_KVHANDSHAKEREQUEST']._serialized_start=1085
-  _globals['_KVHANDSHAKEREQUEST']._serialized_end=1180
-  _globals['_KVHANDSHAKERESPONSE']._serialized_start=1182
-  _globals['_KVHANDSHAKERESPONSE']._serialized_end=1301
-  _globals['_RENEWKVLEASEREQUEST']._serialized_start=1303
-  _globals['_RENEWKVLEASEREQUEST']._serialized_end=1345
-  _globals['_RENEWKVLEASERESPONSE']._serialized_start=1347
-  _globals['_RENEWKVLEASERESPONSE']._serialized_end=1386
-  _globals['_PULLKVREQUEST']._serialized_start=1388
-  _globals['_PULLKVREQUEST']._serialized_end=1462
-  _globals['_KVCHUNK']._serialized_start=1464
-  _globals['_KVCHUNK']._serialized_end=1567
-  _globals['_RELEASEKVREQUEST']._serialized_start=1569
-  _globals['_RELEASEKVREQUEST']._serialized_end=1607
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1609
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1646
-  _globals['_PREFILL']._serialized_start=1649
-  _globals['_PREFILL']._serialized_end=1786
-  _globals['_DECODE']._serialized_start=1789
-  _globals['_DECODE']._serialized_end=1924
-  _globals['_ADMIN']._serialized_start=1927
-  _globals['_ADMIN']._serialized_end=2153
-  _globals['_KVTRANSFER']._serialized_start=2156
-  _globals['_KVTRANSFER']._serialized_end=2463
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=981
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1085
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1087
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1132
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1134
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1159
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1161
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1236
+  _globals['_KVHANDSHAKEREQUEST']._serialized_start=1238
+  _globals['_KVHANDSHAKEREQUEST']._serialized_end=1333
+  _globals['_KVHANDSHAKERESPONSE']._serialized_start=1335
+  _globals['_KVHANDSHAKERESPONSE']._serialized_end=1454
+  _globals['_RENEWKVLEASEREQUEST']._serialized_start=1456
+  _globals['_RENEWKVLEASEREQUEST']._serialized_end=1498
+  _globals['_RENEWKVLEASERESPONSE']._serialized_start=1500
+  _globals['_RENEWKVLEASERESPONSE']._serialized_end=1539
+  _globals['_PULLKVREQUEST']._serialized_start=1541
+  _globals['_PULLKVREQUEST']._serialized_end=1615
+  _globals['_KVCHUNK']._serialized_start=1617
+  _globals['_KVCHUNK']._serialized_end=1720
+  _globals['_RELEASEKVREQUEST']._serialized_start=1722
+  _globals['_RELEASEKVREQUEST']._serialized_end=1760
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1762
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1799
+  _globals['_PREFILL']._serialized_start=1802
+  _globals['_PREFILL']._serialized_end=1939
+  _globals['_DECODE']._serialized_start=1942
+  _globals['_DECODE']._serialized_end=2077
+  _globals['_ADMIN']._serialized_start=2080
+  _globals['_ADMIN']._serialized_end=2395
+  _globals['_KVTRANSFER']._serialized_start=2398
+  _globals['_KVTRANSFER']._serialized_end=2705
 # @@protoc_insertion_point(module_scope)

@@ -89,6 +89,26 @@ class DecodeResponse(_message.Message):
     compute_seconds: float
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., kv_transfer_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("role", "address", "metrics_url", "leave", "name")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    metrics_url: str
+    leave: bool
+    name: str
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., metrics_url: _Optional[str] = ..., leave: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
+
+class RegisterWorkerResponse(_message.Message):
+    __slots__ = ("ttl_seconds",)
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: float
+    def __init__(self, ttl_seconds: _Optional[float] = ...) -> None: ...
+
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

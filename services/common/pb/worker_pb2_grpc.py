@@ -291,6 +291,11 @@ class AdminStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerList.FromString,
                 _registered_method=True)
+        self.RegisterWorker = channel.unary_unary(
+                '/pdserve.v1.Admin/RegisterWorker',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.RegisterWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -321,6 +326,16 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterWorker(self, request, context):
+        """The router only: a worker joins its pool (or renews its membership) until ttl_seconds of
+        the reply pass without another call; `leave` takes it out at once (a clean stop). What a
+        worker started with --register-with calls, and what the Ray deployment's registry feeds.
+        Workers answer INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -338,6 +353,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.InfoRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerList.SerializeToString,
+            ),
+            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterWorker,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.RegisterWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -423,6 +443,33 @@ class Admin:
             '/pdserve.v1.Admin/ListWorkers',
             pdserve_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.WorkerList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/RegisterWorker',
+            pdserve_dot_v1_dot_worker__pb2.RegisterWorkerRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.RegisterWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,
