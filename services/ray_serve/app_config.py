@@ -20,6 +20,7 @@ holds here too (one engine for every worker, ports and hosts set per replica). I
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +105,11 @@ def parse_args(args: Mapping[str, Any] | None) -> RayAppConfig:
             if first in _CLUSTER_PATHS
             else str(exc)
         ) from None
+    if cluster.prometheus_targets and not os.path.isabs(cluster.prometheus_targets):
+        raise ValueError(
+            "prometheus_targets: must be an absolute path (the registry replica writes it, from "
+            f"a working folder of Ray's), got {cluster.prometheus_targets!r}"
+        )
     ttl = sections["registry_config"].get("ttl", DEFAULT_TTL_S)
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
         raise ValueError(f"registry_config.ttl: must be > 0 seconds, got {ttl!r}")

@@ -39,7 +39,7 @@ DERIVED = {
     *(
         f"{pool}.{name}"
         for pool in ("prefill", "decode")
-        for name in ("engine", "host", "port", "metrics_port")
+        for name in ("engine", "host", "port", "metrics_port", "register_with")
     ),
     "prefill.index",
 }
@@ -85,6 +85,7 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         disaggregation="always",
         max_local_prefill_tokens=32,
         api_key=KEY,
+        registration_ttl=7.0,
         http=HttpConfig(
             max_body_bytes=100_000, read_timeout=20.0, keep_alive_timeout=3.0, shutdown_timeout=4.0
         ),

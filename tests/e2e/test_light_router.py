@@ -28,7 +28,7 @@ ROUTER = (
     "import json, sys\n"
     "from services import cli\n"
     "code = cli.main(sys.argv[2:])\n"
-    "heavy = [m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules]\n"
+    "heavy = [m for m in ('torch', 'transformers.modeling_utils', 'ray') if m in sys.modules]\n"
     "open(sys.argv[1], 'w').write(json.dumps(heavy))\n"
     "sys.exit(code)\n"
 )
