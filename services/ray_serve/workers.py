@@ -67,8 +67,13 @@ class WorkerReplica:
         id, with its threads and (pinned) CPUs."""
         cluster = app.cluster
         base = cluster.prefill_config(0) if self.ROLE == "prefill" else cluster.decode_config(0)
-        num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-        threads = spec.threads(base.threads, num_cpus)
+        assigned = ray.get_runtime_context().get_assigned_resources()
+        if base.engine.device.startswith("cuda") and not assigned.get("GPU"):
+            raise ValueError(
+                f"engine.device: {base.engine.device!r}, but this {self.ROLE} replica has no "
+                "GPU: give its deployment ray_actor_options.num_gpus: 1"
+            )
+        threads = spec.threads(base.threads, assigned.get("CPU", 1.0))
         cpus = base.cpus
         if spec.pin_cpus and cpus is None:
             node = ray.get_runtime_context().get_node_id()
