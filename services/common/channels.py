@@ -12,6 +12,7 @@ import logging
 import threading
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.pb import worker_pb2, worker_pb2_grpc
 
@@ -41,6 +42,19 @@ def check_address(address: str, field: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{field}: expected HOST:PORT, got {address!r}")
     return address
+
+
+def health_serving(channel: grpc.Channel, timeout_s: float) -> bool:
+    """Whether the server behind `channel` answers the standard gRPC health check (service "")
+    with SERVING within `timeout_s` seconds; False on any RPC error."""
+    try:
+        # types-grpcio-health-checking's HealthStub lacks the methods its __init__ adds.
+        reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+        )
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 class ChannelCache:

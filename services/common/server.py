@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.channels import GRPC_OPTIONS
+from services.common.channels import GRPC_OPTIONS, health_serving
 from services.common.errors import ErrorInterceptor
 from services.common.metrics import start_metrics_server
 from services.common.thread_pool import ElasticThreadPool
@@ -139,13 +139,7 @@ def is_serving(service: RunningService, timeout_s: float = 2.0) -> bool:
     """Whether the service answers its own gRPC health check with SERVING (over loopback to
     its address: a wedged server fails it too)."""
     with grpc.insecure_channel(service.grpc_address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
-            )
-        except grpc.RpcError:
-            return False
-    return reply.status == _Health.SERVING
+        return health_serving(channel, timeout_s)
 
 
 def wait_for_termination(

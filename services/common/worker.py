@@ -219,10 +219,10 @@ class RunningWorker:
 def _grpc_register(router: str) -> Callable[[Member, bool], float]:
     """The transport of `--register-with`: Admin.RegisterWorker on `router` (its API key, if
     any, from $PDSERVE_API_KEY), returning the ttl it grants."""
-    from services.common.channels import ChannelCache
+    from services.common.channels import CHANNEL_OPTIONS
     from services.common.config import API_KEY_ENV
 
-    stub = worker_pb2_grpc.AdminStub(ChannelCache().get(router))
+    stub = worker_pb2_grpc.AdminStub(grpc.insecure_channel(router, options=CHANNEL_OPTIONS))
     key = os.environ.get(API_KEY_ENV)
     metadata = [("authorization", f"Bearer {key}")] if key else None
 

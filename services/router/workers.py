@@ -19,10 +19,9 @@ import time
 from collections.abc import Iterable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import metrics
-from services.common.channels import ChannelCache, check_address
+from services.common.channels import ChannelCache, check_address, health_serving
 from services.common.errors import ServiceUnavailableError
 from services.common.pb import common_pb2, worker_pb2_grpc
 from services.engine.config import EngineConfig
@@ -163,15 +162,7 @@ class WorkerPool:
             metrics.WORKER_HEALTHY.labels("router", address).set(1 if healthy else 0)
 
     def _serving(self, address: str, timeout_s: float) -> bool:
-        try:
-            stub = health_pb2_grpc.HealthStub(self.channel(address))
-            # types-grpcio-health-checking's HealthStub lacks the methods its __init__ adds.
-            reply = stub.Check(  # type: ignore[attr-defined]
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
-            )
-        except grpc.RpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return health_serving(self.channel(address), timeout_s)
 
     def mark_unhealthy(self, address: str) -> None:
         """A call found the worker down: skip it until its next health check passes."""

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from services.common.pb import common_pb2, generate_pb2, worker_pb2_grpc
-from tests.e2e.cluster import free_port, generation_stub
+from tests.e2e.cluster import free_port, generation_stub, scrape
 from tests.reference import assert_equivalent, hf_greedy
 
 pytest.importorskip("ray.serve", reason="the Ray deployment needs pdserve[ray]")
@@ -193,19 +193,15 @@ def test_scaling_decode_from_one_to_two_under_load_loses_no_request(
         assert_equivalent(tokens, references[0], "after scaling")
     new_info = [w.info for w in deployment.workers("decode") if w.address == new]
     assert new_info[0].num_prompt_tokens_computed >= 0  # answers GetInfo
-    assert _generation_tokens(new_info[0], deployment, new) > 0, "the new replica got no stream"
+    assert _generation_tokens(new_info[0], new) > 0, "the new replica got no stream"
 
 
-def _generation_tokens(info, deployment, address: str) -> float:
+def _generation_tokens(info, address: str) -> float:
     """Tokens the decode worker at `address` generated, from its /metrics (its config names
     the port it bound)."""
     metrics_port = json.loads(info.config_json)["metrics_port"]
-    host = address.rpartition(":")[0]
-    with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=5) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith('pdserve_generation_tokens_total{role="decode"}'):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    url = f"http://{address.rpartition(':')[0]}:{metrics_port}/metrics"
+    return scrape(url, "pdserve_generation_tokens_total", "decode")
 
 
 def test_killed_decode_replica_is_replaced_and_no_block_stays_pinned(
