@@ -66,6 +66,8 @@ class Child:
     def __init__(self, spec: ChildSpec, env: dict[str, str]) -> None:
         self.spec = spec
         self.info: dict | None = None  # the JSON of its ready line
+        self.started_at = time.monotonic()
+        self.ready_at: float | None = None  # when its ready line arrived
         self.bad_ready: str | None = None  # a ready line that did not parse
         self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         self.proc = subprocess.Popen(

@@ -207,7 +207,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services import launcher
+    from services import launcher, supervisor
     from services.engine.loader import model_limits, resolve_model
 
     config = service_config(args)
@@ -221,7 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
     # What every child would refuse, refused before any starts (no torch here: config.json).
     model_limits(resolve_model(config.engine.model), config.engine.max_model_len)
     plan = launcher.placement_plan(config)
-    return launcher.Supervisor(launcher.cluster_spec(config, plan)).run()
+    return supervisor.Supervisor(launcher.cluster_spec(config, plan)).run()
 
 
 def _service(args: argparse.Namespace) -> int:

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -416,6 +413,8 @@ def test_generate_json(fake_router, capsys):
             "decode_queue": 0.03125,
             "first_decode_step": 0.015625,
             "path": "remote",
+            "migrations": 0,
+            "migration": 0.0,
         },
     }
     request = servicer.requests[-1]
@@ -513,207 +512,6 @@ def test_generate_rejects_bad_input_before_sending(fake_router, capsys, argv, me
     assert cli.main(["generate", "--url", url, *argv]) == 2
     assert capsys.readouterr().err.startswith(f"pdserve: error: {message}")
     assert len(servicer.requests) == sent
-
-
-# --- the serve supervisor with fake children -----------------------------------------------
-
-FAKE_SERVICE = """
-import json, os, signal, sys, time
-role, mode = sys.argv[1], sys.argv[2]
-print(f"{role} starting", file=sys.stderr, flush=True)
-if mode == "die":
-    print(f"{role}: cannot load the model", file=sys.stderr, flush=True)
-    sys.exit(3)
-if mode == "hang":
-    time.sleep(60)
-if mode == "bad":
-    print("ready {not json", flush=True)
-    time.sleep(60)
-if mode == "ignore-term":
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-port = 20000 + os.getpid() % 20000
-info = {"role": role, "grpc": f"127.0.0.1:{port}",
-        "metrics": f"http://127.0.0.1:{port + 1}/metrics", "pid": os.getpid()}
-if role == "router":
-    info["http"] = "http://127.0.0.1:8000"
-print("ready " + json.dumps(info), flush=True)
-print("stdout after ready goes to the supervisor's stderr", flush=True)
-if mode == "exit-after-ready":
-    time.sleep(1.0)
-    sys.exit(4)
-while True:
-    time.sleep(1)
-"""
-
-DRIVER = """
-import sys
-from services.launcher import ChildSpec, ClusterSpec, Supervisor
-
-fake, mode, stop_timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
-
-def child(name, role, mode, *extra):
-    return ChildSpec(name, role, [sys.executable, fake, role, mode, *extra])
-
-workers = [child("prefill-0", "prefill", mode), child("prefill-1", "prefill", mode),
-           child("decode-0", "decode", mode)]
-spec = ClusterSpec(workers, lambda p, d: child("router", "router", "ok", *p, *d), start_timeout=30,
-                   stop_timeout=stop_timeout)
-sys.exit(Supervisor(spec).run())
-"""
-
-
-@pytest.fixture
-def fake_service(tmp_path) -> str:
-    path = tmp_path / "fake_service.py"
-    path.write_text(FAKE_SERVICE)
-    return str(path)
-
-
-def _spec(
-    fake: str, modes: dict[str, str], routed: list | None = None, **kwargs
-) -> launcher.ClusterSpec:
-    def child(name: str, role: str, *extra: str) -> launcher.ChildSpec:
-        return launcher.ChildSpec(
-            name, role, [sys.executable, fake, role, modes.get(name, "ok"), *extra]
-        )
-
-    def router(prefill: list[str], decode: list[str]) -> launcher.ChildSpec:
-        if routed is not None:
-            routed.append((prefill, decode))
-        return child("router", "router")
-
-    return launcher.ClusterSpec(
-        [child("prefill-0", "prefill"), child("decode-0", "decode")], router, **kwargs
-    )
-
-
-def _alive(pid: int) -> bool:
-    """Running (not gone, not a zombie awaiting its reaper)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
-def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
-
-
-def _start_driver(tmp_path: Path, fake: str, mode: str = "ok", stop_timeout: float = 10.0):
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
-    proc = subprocess.Popen(
-        [sys.executable, str(driver), fake, mode, str(stop_timeout)],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
-    try:
-        line = lines.get(timeout=60)
-    except queue.Empty:
-        proc.kill()
-        pytest.fail(f"no ready line; stderr: {proc.communicate()[1]}")
-    assert line.startswith("ready "), (line, proc.stderr.read() if proc.poll() is not None else "")
-    return proc, json.loads(line[len("ready ") :])
-
-
-def test_serve_ready_line_and_sigterm_stops_every_child(tmp_path, fake_service):
-    proc, info = _start_driver(tmp_path, fake_service)
-    try:
-        assert set(info) == {"router", "http", "services"}
-        assert [s["role"] for s in info["services"]] == ["router", "prefill", "prefill", "decode"]
-        keys = {"role", "name", "grpc", "metrics", "pid"}
-        assert all(set(s) == keys for s in info["services"])
-        assert (
-            info["router"] == info["services"][0]["grpc"]
-            and info["http"] == "http://127.0.0.1:8000"
-        )
-        assert all(
-            s["metrics"].startswith("http://127.0.0.1:") and s["metrics"].endswith("/metrics")
-            for s in info["services"]
-        )
-        pids = [s["pid"] for s in info["services"]]
-        assert len(set(pids)) == 4 and all(_alive(p) for p in pids)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err
-    assert out == "" and "[prefill-1] prefill starting" in err
-    assert "[router] stdout after ready goes to the supervisor's stderr" in err
-    assert _wait_dead(pids, timeout=2) == []
-
-
-def test_serve_kills_children_that_ignore_sigterm(tmp_path, fake_service):
-    proc, info = _start_driver(tmp_path, fake_service, mode="ignore-term", stop_timeout=1.0)
-    pids = [s["pid"] for s in info["services"]]
-    start = time.monotonic()
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and time.monotonic() - start < 10
-    assert "decode-0" in err and "still running 1 s after SIGTERM; killing it" in err
-    assert _wait_dead(pids, timeout=2) == []
-
-
-def test_killed_supervisor_leaves_no_orphans(tmp_path, fake_service):
-    proc, info = _start_driver(tmp_path, fake_service)
-    pids = [s["pid"] for s in info["services"]]
-    proc.kill()  # no chance to clean up: the kernel's PR_SET_PDEATHSIG must do it
-    proc.communicate(timeout=30)
-    assert _wait_dead(pids) == []
-
-
-def test_serve_fails_when_a_worker_dies_at_start(fake_service, capsys):
-    routed: list = []
-    assert (
-        launcher.Supervisor(_spec(fake_service, {"decode-0": "die"}, routed, stop_timeout=5)).run()
-        == 1
-    )
-    captured = capsys.readouterr()
-    assert captured.out == "" and routed == []  # no router was started
-    assert "pdserve: error: decode-0 (pid " in captured.err
-    assert "exited with code 3 before it was ready; last stderr lines:" in captured.err
-    assert "  decode: cannot load the model" in captured.err
-
-
-def test_serve_fails_when_a_worker_is_never_ready(fake_service, capsys):
-    spec = _spec(fake_service, {"prefill-0": "hang"}, start_timeout=1.0, stop_timeout=5)
-    start = time.monotonic()
-    assert launcher.Supervisor(spec).run() == 1
-    assert time.monotonic() - start < 10
-    err = capsys.readouterr().err
-    assert (
-        "pdserve: error: prefill-0 (pid " in err
-        and "not ready after 1 s" in err
-        and "prefill starting" in err
-    )
-
-
-def test_serve_fails_on_a_bad_ready_line(fake_service, capsys):
-    assert launcher.Supervisor(_spec(fake_service, {"prefill-0": "bad"}, stop_timeout=5)).run() == 1
-    assert "prefill-0 (pid " in capsys.readouterr().err
-
-
-def test_serve_stops_the_cluster_when_a_child_dies_while_serving(fake_service, capsys):
-    routed: list = []
-    supervisor = launcher.Supervisor(
-        _spec(fake_service, {"decode-0": "exit-after-ready"}, routed, stop_timeout=5)
-    )
-    assert supervisor.run() == 1
-    captured = capsys.readouterr()
-    ready = json.loads(captured.out.removeprefix("ready "))
-    assert [s["role"] for s in ready["services"]] == ["router", "prefill", "decode"]
-    assert routed == [([ready["services"][1]["grpc"]], [ready["services"][2]["grpc"]])]
-    assert "decode-0 (pid " in captured.err and "exited with code 4" in captured.err
-    assert all(child.proc.returncode is not None for child in supervisor.children)
 
 
 # --- errors a user meets first: one line naming the flag or the JSON field -----------------

@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 
 from services.common.http_config import HttpConfig
+from services.common.migration_config import MigrationConfig
 from services.engine.config import DEFAULT_MODEL, EngineConfig, EngineRole
 from services.flags import flag
 from services.placement import parse_cpu_list
@@ -119,6 +120,8 @@ class RouterConfig:
     /health and /metrics stay open (default: $PDSERVE_API_KEY, else none)."""
     http: HttpConfig = field(default_factory=HttpConfig)
     """The HTTP API's limits and timeouts."""
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
+    """When a stream moves to another decode worker (its worker died or stalled)."""
     registration_ttl: float = 10.0
     """Seconds a worker that registered at run time (`--register-with`, or the Ray
     deployment's registry) stays in the pool without renewing."""
@@ -178,6 +181,8 @@ class RouterConfig:
             "<hidden>",
         )
         _check(isinstance(self.http, HttpConfig), "http", "must be an HttpConfig", self.http)
+        ok = isinstance(self.migration, MigrationConfig)
+        _check(ok, "migration", "must be a MigrationConfig", self.migration)
         _check(
             _is_number(self.registration_ttl) and self.registration_ttl > 0,
             "registration_ttl",

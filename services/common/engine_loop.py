@@ -117,6 +117,7 @@ class EngineLoop:
         kv_handle: KVHandle | None = None,
         cache_salt: str | None = None,
         caller_active: Callable[[], bool] | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> queue.Queue[RequestOutput | KVReserved | BaseException]:
         """Add a request; its outputs (or an exception) arrive on the returned queue. A DECODE
         request first gets a `KVReserved` once its blocks are reserved: the receiver writes the
@@ -125,6 +126,7 @@ class EngineLoop:
         `caller_active` (the RPC's `context.is_active`) is asked on the loop thread as the add
         runs: a caller that left while the call waited for a step adds nothing (its stream stays
         empty), so a burst of cancels leaves no prompt behind to be prefilled for no one.
+        `output_token_ids`: a migrated request's earlier outputs (`Engine.add_request`).
 
         Raises the engine's InvalidRequestError / ResourceExhaustedError / KVHandshakeError
         synchronously.
@@ -140,6 +142,7 @@ class EngineLoop:
                 request_id=request_id,
                 kv_handle=kv_handle,
                 cache_salt=cache_salt,
+                output_token_ids=output_token_ids,
             )
             self._streams[request_id] = stream
             return True

@@ -151,6 +151,14 @@ ERROR_CODES = (
     "UNAVAILABLE",
     "INTERNAL",
 )
+MIGRATION_REASONS = ("decode_failed", "decode_stalled", "kv_lost")
+REQUEST_MIGRATIONS = Counter(
+    "pdserve_request_migrations",
+    "Times a stream moved to another decode worker, by reason: decode_failed (its worker died "
+    "or ended the call), decode_stalled (no token while the worker failed its health checks), "
+    "kv_lost (the prefill worker holding its KV died before the KV landed).",
+    ["role", "reason"],
+)
 REQUEST_PROMPT_TOKENS = Histogram(
     "pdserve_request_prompt_tokens",
     "Prompt tokens per finished request.",
@@ -260,6 +268,8 @@ def create_router_series(role: str = "router") -> None:
     for code in ERROR_CODES:
         REQUEST_ERRORS.labels(role, code)
     REQUESTS_REJECTED.labels(role, "queue_full")
+    for reason in MIGRATION_REASONS:
+        REQUEST_MIGRATIONS.labels(role, reason)
 
 
 def start_metrics_server(host: str, port: int) -> int:

@@ -149,18 +149,20 @@ def wait_for_termination(
     draining: threading.Event | None = None,
     drained: Callable[[], bool] | None = None,
     drain_timeout: float = 0.0,
+    before_stop: Callable[[], object] | None = None,
 ) -> None:
     """Block until SIGINT/SIGTERM, then drain and stop.
 
     Draining: health turns NOT_SERVING (routers stop sending work), `draining` is set (servicers
     refuse new requests with UNAVAILABLE), and the server keeps serving what it has (streams,
-    KV pulls) until `drained()` is true or `drain_timeout` seconds pass. Then it stops accepting,
-    gives calls `grace` seconds, and runs `on_stop`."""
+    KV pulls) until `drained()` is true or `drain_timeout` seconds pass. Then `before_stop` runs
+    (the router ends what is left with UNAVAILABLE), the server stops accepting, gives calls
+    `grace` seconds, and runs `on_stop`."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    drain_and_stop(service, on_stop, grace, draining, drained, drain_timeout)
+    drain_and_stop(service, on_stop, grace, draining, drained, drain_timeout, before_stop)
 
 
 def drain_and_stop(
@@ -170,6 +172,7 @@ def drain_and_stop(
     draining: threading.Event | None = None,
     drained: Callable[[], bool] | None = None,
     drain_timeout: float = 0.0,
+    before_stop: Callable[[], object] | None = None,
 ) -> None:
     """The stop half of `wait_for_termination` (also what a Ray replica runs when Serve
     stops it)."""
@@ -179,6 +182,8 @@ def drain_and_stop(
     deadline = time.monotonic() + drain_timeout
     while drained is not None and time.monotonic() < deadline and not drained():
         time.sleep(0.1)
+    if before_stop is not None:
+        before_stop()
     service.server.stop(grace).wait()
     if on_stop is not None:
         on_stop()

@@ -71,9 +71,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             raise InvalidRequestError("request_id", "a decode request needs a request_id")
         params = sampling_from_proto(request.sampling)
         prompt_ids, salt = list(request.prompt_token_ids), cache_salt(request.cache_salt)
-        request_id = request.request_id
+        request_id, resumed = request.request_id, list(request.output_token_ids)
         if not request.HasField("kv_handle"):
-            yield from self._prefill_here(request_id, prompt_ids, params, salt, context)
+            yield from self._prefill_here(request_id, prompt_ids, params, salt, resumed, context)
             return
         handle, source = handle_from_proto(request.kv_handle)
         if self.config.debug_recompute_prompt:
@@ -89,7 +89,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 handle, self.loop.engine.kv_peer_info
             )  # on this thread: a network call
             stream = self.loop.submit(
-                request_id, prompt_ids, params, kv_handle=handle, cache_salt=salt
+                request_id,
+                prompt_ids,
+                params,
+                kv_handle=handle,
+                cache_salt=salt,
+                output_token_ids=resumed,
             )  # always added, even if the caller left: its abort tells the source to unpin
             landed = False
             while (out := next_output(stream, context)) is not None:
@@ -99,7 +104,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 if out.finish_reason in ("error", "kv_timeout"):
                     raise self._kv_failure(request_id, source, out.finish_reason)
                 # Ended at admission: only the prefill's first token, nothing new.
-                new = out.new_token_ids if len(out.output_token_ids) > 1 else []
+                new = out.new_token_ids if len(out.output_token_ids) > len(resumed) + 1 else []
                 pulled = 0.0 if landed else self.transfer.pull_seconds.get(request_id, 0.0)
                 yield _reply(out, new, first=not landed, kv_transfer_seconds=pulled)
                 landed = True
@@ -117,12 +122,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 self.loop.abort(request_id)
             self.transfer.forget(request_id)
 
-    def _prefill_here(self, request_id: str, prompt_ids, params, salt, context):
-        """The local path: no KV handle, so this engine prefills the prompt itself (chunked into
-        the running batch's steps); the replies carry every token, the first one included."""
+    def _prefill_here(self, request_id: str, prompt_ids, params, salt, resumed, context):
+        """The local path: no KV handle, so this engine prefills the prompt (and a migrated
+        request's `resumed` outputs) itself, chunked into the running batch's steps; the replies
+        carry every new token, the first one included."""
         try:
             stream = self.loop.submit(
-                request_id, prompt_ids, params, cache_salt=salt, caller_active=context.is_active
+                request_id,
+                prompt_ids,
+                params,
+                cache_salt=salt,
+                caller_active=context.is_active,
+                output_token_ids=resumed,
             )
             first = True
             while (out := next_output(stream, context)) is not None:

@@ -63,6 +63,24 @@ class RequestChecker:
             raise InvalidRequestError("prompt_token_ids", "must be a string or a list of integers")
         return [int(t) for t in prompt]
 
+    def output_ids(self, output_token_ids: list[int] | None, params: SamplingParams) -> list[int]:
+        """A checked copy of a migrated request's earlier outputs (empty for None): integers
+        in the vocabulary, fewer than max_tokens."""
+        if output_token_ids is None:
+            return []
+        if not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in output_token_ids
+        ):
+            raise InvalidRequestError("output_token_ids", "must be a list of integers")
+        ids = [int(t) for t in output_token_ids]
+        check_token_ids(ids, self.vocab_size, "output_token_ids")
+        if isinstance(params, SamplingParams) and len(ids) >= params.max_tokens:
+            raise InvalidRequestError(
+                "output_token_ids",
+                f"{len(ids)} tokens already generated; max_tokens is {params.max_tokens}",
+            )
+        return ids
+
     def check(
         self,
         request_id: str,
@@ -70,7 +88,10 @@ class RequestChecker:
         params: SamplingParams,
         kv_handle: KVHandle | None,
         cache_salt: str | None,
+        num_resumed: int = 0,
     ) -> None:
+        """`num_resumed`: outputs generated before a migration (`output_ids`), whose KV is
+        computed (or pulled) with the prompt's."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
                 "sampling_params", f"expected SamplingParams, got {type(params).__name__}"
@@ -78,9 +99,12 @@ class RequestChecker:
         check_cache_salt(cache_salt)
         if not prompt_ids:
             raise InvalidRequestError("prompt", "must not be empty")
-        if len(prompt_ids) >= self.max_model_len:
+        if len(prompt_ids) + num_resumed >= self.max_model_len:
             raise InvalidRequestError(
-                "prompt", f"{len(prompt_ids)} tokens; max_model_len is {self.max_model_len}"
+                "prompt",
+                f"{len(prompt_ids)} tokens"
+                + (f" + {num_resumed} already generated" if num_resumed else "")
+                + f"; max_model_len is {self.max_model_len}",
             )
         check_token_ids(prompt_ids, self.vocab_size, "prompt_token_ids")
         check_token_ids(list(params.stop_token_ids), self.vocab_size, "stop_token_ids")
@@ -91,9 +115,9 @@ class RequestChecker:
                 "kv_handle", f"a {role.name} engine computes its own prompt KV"
             )
         if kv_handle is not None:
-            self._check_handle(kv_handle, request_id, len(prompt_ids))
+            self._check_handle(kv_handle, request_id, len(prompt_ids) + num_resumed)
         # A PREFILL engine only ever holds the prompt (+ the first token) before the hand-off.
-        max_tokens = 1 if role == EngineRole.PREFILL else params.max_tokens
+        max_tokens = num_resumed + 1 if role == EngineRole.PREFILL else params.max_tokens
         max_len = min(len(prompt_ids) + max_tokens, self.max_model_len)
         needed = -(-max_len // self.config.block_size)
         if needed > self.num_blocks:
@@ -102,7 +126,8 @@ class RequestChecker:
             )
 
     def _check_handle(self, handle: KVHandle, request_id: str, num_prompt_tokens: int) -> None:
-        """A handle must describe exactly this request's prompt in this engine's block size."""
+        """A handle must describe exactly this request's prompt (+ outputs generated before a
+        migration) in this engine's block size."""
         if handle.request_id != request_id:
             raise InvalidRequestError(
                 "kv_handle", f"is for request {handle.request_id!r}, not {request_id!r}"

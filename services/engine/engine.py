@@ -97,6 +97,7 @@ class Engine:
         request_id: str | None = None,
         kv_handle: KVHandle | None = None,
         cache_salt: str | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> str:
         """Queue a request; returns its id.
 
@@ -106,10 +107,17 @@ class Engine:
         (conditional disaggregation's local path, as llm-d and Dynamo route short prompts).
         `cache_salt`: requests share cached prefix blocks only with requests of the same salt
         (vLLM's `cache_salt`: isolates tenants from each other's prefix-cache timing).
+        `output_token_ids`: tokens this request already generated on a worker that failed (a
+        migration, `services/router/migration.py`). They are outputs, not prompt: the engine
+        computes the KV of prompt + them and samples the next token as the failed worker would
+        have, since they count against max_tokens, in the penalties and in the seeded stream
+        (a seeded draw depends only on (seed, output index): `sampler.py`). A handle then
+        covers prompt + them. The engine reports them in `RequestOutput.output_token_ids` but
+        never again as new tokens.
         Raises InvalidRequestError (empty or too-long prompt, unknown token ids, duplicate id,
-        non-string salt), ResourceExhaustedError (the request could never fit in the KV cache,
-        or too many wait for blocks) and KVHandshakeError (the handle's source holds KV of
-        another model or layout).
+        non-string salt, output_token_ids at max_tokens), ResourceExhaustedError (the request
+        could never fit in the KV cache, or too many wait for blocks) and KVHandshakeError (the
+        handle's source holds KV of another model or layout).
         """
         request_id = self._new_request_id(request_id)
         prompt_ids = self.checker.prompt_ids(prompt)
@@ -119,7 +127,8 @@ class Engine:
             except KVHandshakeError:
                 self.kv_receiver.complete(kv_handle)  # unusable here: let the source unpin now
                 raise
-        self.checker.check(request_id, prompt_ids, params, kv_handle, cache_salt)
+        resumed = self.checker.output_ids(output_token_ids, params)
+        self.checker.check(request_id, prompt_ids, params, kv_handle, cache_salt, len(resumed))
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(
             request_id,
@@ -130,6 +139,7 @@ class Engine:
             time.monotonic(),
             kv_handle,
             cache_salt,
+            output_token_ids=resumed,
         )
         if kv_handle is not None:
             self._add_remote(request, kv_handle)

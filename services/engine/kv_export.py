@@ -35,15 +35,16 @@ class KVExport(KVSource):
         sender.register_source(engine_id, self)
 
     def hand_off(self, request: Request) -> KVHandle:
-        """Pin a finished request's prompt blocks and publish a handle to them."""
+        """Pin a finished request's prompt blocks and publish a handle to them: every token's
+        KV but the one just sampled (the prompt, plus a migrated request's earlier outputs)."""
         block_size = self.kv_cache.spec.block_size
-        num_prompt_blocks = -(-len(request.prompt_token_ids) // block_size)
+        num_kv_tokens = request.num_tokens - 1
         handle = KVHandle(
             request.request_id,
             self.engine_id,
-            tuple(request.block_table[:num_prompt_blocks]),
-            len(request.prompt_token_ids),
-            request.output_token_ids[0],
+            tuple(request.block_table[: -(-num_kv_tokens // block_size)]),
+            num_kv_tokens,
+            request.output_token_ids[-1],
         )
         self.pinned[request.request_id] = request
         self.sender.publish(handle)

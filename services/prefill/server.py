@@ -59,6 +59,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             params,
             cache_salt=cache_salt(request.cache_salt),
             caller_active=context.is_active,
+            output_token_ids=list(request.output_token_ids),
         )
         out = next_output(stream, context)
         if out is None:  # the router went away or its deadline passed: nothing stays pinned

@@ -42,31 +42,42 @@ class CancelScope:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cancelled = False
+        self._reason: Exception | None = None
         self._calls: list[Cancellable] = []
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled
 
-    def cancel(self) -> None:
-        """Sets the flag and cancels every tracked call (idempotent; a finished call ignores it)."""
+    def cancel(self, reason: Exception | None = None) -> None:
+        """Sets the flag and cancels every tracked call (idempotent; a finished call ignores it).
+
+        `reason`: what the request ends with when the server, not its client, ends it (the
+        router shutting down: a ServiceUnavailableError), so it is not reported as a cancel.
+        The first cancel's reason stands."""
         with self._lock:
+            if not self._cancelled:
+                self._reason = reason
             self._cancelled = True
             calls, self._calls = self._calls, []
         for call in calls:
             call.cancel()
 
+    def error(self) -> Exception:
+        """What a cancelled request raises: the cancel's reason, else RequestCancelledError."""
+        return self._reason if self._reason is not None else RequestCancelledError()
+
     def track(self, call: CallT) -> CallT:
         """Registers a started call; cancels it at once (and raises) if the scope is cancelled.
 
-        Raises RequestCancelledError when the scope was already cancelled.
+        Raises `error()` when the scope was already cancelled.
         """
         with self._lock:
             if not self._cancelled:
                 self._calls.append(call)
                 return call
         call.cancel()
-        raise RequestCancelledError()
+        raise self.error()
 
     def untrack(self, call: Cancellable) -> None:
         """Forgets a finished call."""
@@ -75,6 +86,6 @@ class CancelScope:
                 self._calls.remove(call)
 
     def check(self) -> None:
-        """Raises RequestCancelledError if the scope was cancelled."""
+        """Raises `error()` if the scope was cancelled."""
         if self._cancelled:
-            raise RequestCancelledError()
+            raise self.error()

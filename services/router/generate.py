@@ -11,15 +11,15 @@ One request's path through the workers (timeouts, cancels, releases, the retry) 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Generator
 
 import grpc
 
 from services.common.config import RouterConfig
-from services.common.errors import (
-    status_for,
-)
+from services.common.errors import ServiceUnavailableError, status_for
+from services.common.migration_config import MigrationConfig
 from services.common.pb import generate_pb2
 from services.router.admission import AdmissionGate
 from services.router.cancel import CancelScope
@@ -28,6 +28,7 @@ from services.router.request_run import RequestRun
 from services.router.routing import Routing
 from services.router.siblings import Siblings
 from services.router.stats import count_error, create_series
+from services.router.watchdog import StallWatchdog
 from services.router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class GenerateFlow:
 
     `model`: tokenizer, vocab size and max_model_len for validation and detokenization.
     `request_timeout`: seconds allowed to a request whose client set no deadline.
+    `migration`: when a stream moves to another decode worker (`migration.py`); its stall
+    timeout drives the flow's watchdog (`start()` / `close()`).
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class GenerateFlow:
         max_queued_requests: int = RouterConfig.max_queued_requests,
         disaggregation: str = RouterConfig.disaggregation,
         max_local_prefill_tokens: int = RouterConfig.max_local_prefill_tokens,
+        migration: MigrationConfig | None = None,
     ) -> None:
         if not request_timeout > 0:
             raise ValueError(f"request_timeout: must be > 0 seconds, got {request_timeout!r}")
@@ -62,10 +66,36 @@ class GenerateFlow:
         self.pool = pool
         self.request_timeout = request_timeout
         self.routing = routing if routing is not None else Routing(pool, "round_robin")
+        self.migration = migration if migration is not None else MigrationConfig()
+        self.watchdog = StallWatchdog(pool.is_unhealthy, self.migration.stream_stall_timeout)
+        self.stopping = threading.Event()  # set on shutdown: new requests get UNAVAILABLE
+        self._active: set[CancelScope] = set()  # scopes of the requests in flight
+        self._lock = threading.Lock()
         create_series()
         self.admission = AdmissionGate(
             pool.decode_slots, max_queued_requests, lambda: pool.decode_slots(healthy_only=False)
         )
+
+    def start(self) -> None:
+        """Starts the progress watchdog (the pool's health checks drive its verdicts)."""
+        self.watchdog.start()
+
+    def close(self) -> None:
+        self.watchdog.close()
+
+    @property
+    def num_active(self) -> int:
+        """Requests in flight."""
+        return len(self._active)
+
+    def end_all(self, reason: str = "the router is shutting down") -> int:
+        """Ends every request in flight with UNAVAILABLE `reason` (not a client cancel: each
+        is counted and reported as the server's doing); returns how many."""
+        with self._lock:
+            scopes = list(self._active)
+        for scope in scopes:
+            scope.cancel(ServiceUnavailableError(reason))
+        return len(scopes)
 
     def path_for(self, num_prompt_tokens: int) -> str:
         """ "local" (prefill on the decode worker) or "remote" (on the prefill pool) for a prompt
@@ -103,16 +133,21 @@ class GenerateFlow:
         `leader` or not. `received`: when the request arrived (time.monotonic() seconds; default
         now), where its timings start.
         Raises (when iterated): OverloadedError when the gate is full, InvalidRequestError /
-        ValueError for bad input (field named), ServiceUnavailableError with no workers,
+        ValueError for bad input (field named), ServiceUnavailableError with no workers, when
+        the router is shutting down, or when a worker failed past what migration covers,
         TimeoutError past the deadline, RequestCancelledError when `scope` is cancelled,
         grpc.RpcError from a worker. Closing the generator early cancels whatever is in flight.
         """
         scope = scope if scope is not None else CancelScope()
         try:
+            if self.stopping.is_set():
+                raise ServiceUnavailableError("the router is shutting down")
             ticket = self.admission.admit() if admit else None
         except Exception as exc:  # refused before any work: still counted under its code
             count_error(status_for(exc)[0])
             raise
+        with self._lock:
+            self._active.add(scope)
         run = RequestRun(self, request, deadline, scope, siblings, leader, received)
         finished = False
         try:
@@ -131,6 +166,8 @@ class GenerateFlow:
             raise
         finally:
             scope.cancel()  # anything still in flight is no longer wanted
+            with self._lock:
+                self._active.discard(scope)
             if ticket is not None:
                 ticket.release()
 

@@ -3,15 +3,17 @@
 Every downstream call gets `timeout=` the time left until the deadline, so nothing waits
 unbounded. Errors propagate as they are (a downstream `grpc.RpcError` keeps its code; typed
 errors are mapped by `services.common.errors.ErrorInterceptor`). Freeing work downstream:
-- a cancel (client gone, deadline) or a stop-string hit cancels the in-flight call, so the
-  decode worker frees the request's blocks;
+- a cancel (client gone, deadline, the router shutting down) or a stop-string hit cancels the
+  in-flight call, so the decode worker frees the request's blocks;
 - if the request ends after the prefill pinned its KV but before a decode worker reported the
   KV landed (client gone, stop string in the first token, Decode failed or was never started),
   the router calls `KVTransfer.ReleaseKV` on the prefill worker named in the handle.
-- if the prefill worker holding the KV dies (or loses it) before the KV landed, the decode
-  worker says so (UNAVAILABLE naming that worker in `pdserve-failed-peer`) and the router
-  prefills once more on another healthy prefill worker, keeping the first token the client
-  already has; with no other worker the client gets UNAVAILABLE.
+Failures of a worker mid-request:
+- a Prefill call whose worker is UNAVAILABLE (dead, draining, or stalled while failing its
+  health checks) goes once to another healthy prefill worker;
+- a decode worker that dies or stalls, or a prefill worker that loses the KV before it landed,
+  moves the request to another worker (`migration.py`): the prompt plus the tokens already
+  streamed are prefilled again and the stream goes on from the next token.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ import grpc
 from services.common import request_id
 from services.common.channels import release_kv
 from services.common.convert import sampling_to_proto
-from services.common.errors import PeerUnavailableError, ServiceUnavailableError, failed_peer
+from services.common.errors import PeerUnavailableError, ServiceUnavailableError
 from services.common.pb import common_pb2, generate_pb2, worker_pb2
 from services.engine.errors import InvalidRequestError
 from services.router.cancel import CancelScope, RequestCancelledError
+from services.router.migration import WorkerLost, decode_failure
 from services.router.prompt import PreparedRequest, prepare_request
-from services.router.responses import delta_response, drain, final_response
+from services.router.responses import ResponseStream, delta_response, drain, final_response
 from services.router.siblings import Siblings
 from services.router.stats import RequestStats
 from services.router.text_stream import TextStream
+from services.router.watchdog import StalledCallError, Watch
 
 if TYPE_CHECKING:
     from services.router.generate import GenerateFlow
@@ -64,6 +68,7 @@ class RequestRun:
         self.stats.counts_prompt = leader  # n choices of one prompt count its tokens once
         self.kv_landed = False  # a decode worker reported the prompt KV arrived
         self.request_id = request.request_id
+        self.engine_request_id = request.request_id  # the workers' id (one per attempt)
         self.prefill_address = ""
         self.handle: common_pb2.KVHandle | None = None  # the pinned prompt KV, once prefilled
 
@@ -72,83 +77,86 @@ class RequestRun:
         prepared = self._prepare()
         self.stats.on_path(self.flow.path_for(len(prepared.prompt_token_ids)))
         text = TextStream(self.flow.model.tokenizer, prepared.prompt_token_ids, prepared.stop)
-        if self.stats.path == "local":  # the decode worker prefills it: no KV to ship
-            try:
-                yield from self._decode(prepared, None, text)
-            finally:
-                if self.siblings is not None and self.leader:
-                    self.siblings.ended()
-            return
-        prefill = self._prefill(prepared)
-        self.handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
-        try:  # from here on the prefill worker may hold pinned KV for this request
-            first = text.add([prefill.first_token_id])
-            first_logprobs = [prefill.first_logprob] if prefill.HasField("first_logprob") else []
-            finish = "stop" if first.stopped else prefill.finish_reason
-            if not finish and self.handle is None:
-                raise RuntimeError(
-                    "prefill worker returned neither a finish_reason nor a kv_handle"
-                )
-            if finish:
-                yield final_response(first, text, finish, first_logprobs, self.stats)
-                return
-            # the first token goes out now: that is TTFT
-            yield delta_response(first, first_logprobs, self.stats)
-            yield from self._decode_or_retry(prepared, text)
+        try:
+            while True:
+                try:
+                    yield from self._attempt(prepared, text)
+                    return
+                except WorkerLost as lost:
+                    self._migrate(lost, text)
         finally:
-            if self.handle is not None and not self.kv_landed:
-                self._release_kv(self.handle.request_id or self.request_id, self._kv_source())
+            self._release_unlanded()
             if self.siblings is not None and self.leader:
                 self.siblings.ended()
+
+    def _attempt(
+        self, prepared: PreparedRequest, text: TextStream
+    ) -> Iterator[generate_pb2.GenerateResponse]:
+        """Prefill (on the prefill pool or the decode worker), then decode. After a migration
+        the prompt plus the tokens the client already has are prefilled, and decoding resumes
+        from the next token. Raises WorkerLost when a worker fails mid-request."""
+        resumed = list(text.token_ids)
+        self.kv_landed = False
+        if resumed:
+            self.engine_request_id = f"{prepared.request_id}-m{self.stats.migrations}"
+        path = self.flow.path_for(len(prepared.prompt_token_ids) + len(resumed))
+        if (self.stats.path if not resumed else path) == "local":  # no KV to ship
+            yield from self._decode(prepared, None, text, resumed)
+            return
+        prefill = self._prefill(prepared, resumed)
+        self.handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
+        # from here on the prefill worker may hold pinned KV for this request
+        first = text.add([prefill.first_token_id])
+        first_logprobs = [prefill.first_logprob] if prefill.HasField("first_logprob") else []
+        finish = "stop" if first.stopped else prefill.finish_reason
+        if not finish and self.handle is None:
+            raise RuntimeError("prefill worker returned neither a finish_reason nor a kv_handle")
+        if finish:
+            yield final_response(first, text, finish, first_logprobs, self.stats)
+            return
+        # the first token goes out now: that is TTFT (after a migration, just the next token)
+        yield delta_response(first, first_logprobs, self.stats)
+        yield from self._decode(prepared, self.handle, text, resumed)
+
+    def _migrate(self, lost: WorkerLost, text: TextStream) -> None:
+        """Takes the failed worker out of routing and readies the next attempt; raises
+        PeerUnavailableError (naming it) past max_migrations or when no healthy worker of its
+        role turns up within migration_wait seconds."""
+        config, pool = self.flow.migration, self.flow.pool
+        pool.mark_unhealthy(lost.address)
+        self._release_unlanded()
+        if self.stats.migrations >= config.max_migrations:
+            raise PeerUnavailableError(
+                f"{lost} after {self.stats.migrations} migration(s) (--max-migrations "
+                f"{config.max_migrations})",
+                peer=lost.address,
+            ) from lost
+        self.stats.on_migrated(lost.reason)
+        logger.warning(
+            "request %s: %s; migrating it (%d of at most %d) with %d tokens generated",
+            self.request_id,
+            lost,
+            self.stats.migrations,
+            config.max_migrations,
+            text.num_tokens,
+        )
+        if not pool.wait_healthy(lost.role, min(config.migration_wait, self._remaining())):
+            raise PeerUnavailableError(
+                f"{lost}; no healthy {lost.role} worker to migrate to within "
+                f"{config.migration_wait:g} s (--migration-wait)",
+                peer=lost.address,
+            ) from lost
+
+    def _release_unlanded(self) -> None:
+        """Unpins the prompt KV of a handle no decode worker reported landed (best effort)."""
+        if self.handle is not None and not self.kv_landed:
+            self._release_kv(self.handle.request_id or self.engine_request_id, self._kv_source())
+        self.handle = None
 
     def _kv_source(self) -> str:
         """HOST:PORT serving the handle's KV (a worker that names no source serves it itself)."""
         assert self.handle is not None
         return self.handle.source or self.prefill_address
-
-    def _decode_or_retry(
-        self, prepared: PreparedRequest, text: TextStream
-    ) -> Iterator[generate_pb2.GenerateResponse]:
-        """Decode; if the KV's prefill worker failed before the KV landed, prefill again on
-        another healthy worker (once) and decode from there."""
-        assert self.handle is not None
-        try:
-            yield from self._decode(prepared, self.handle, text)
-            return
-        except grpc.RpcError as exc:
-            lost = self._kv_source()
-            if (
-                self.kv_landed
-                or exc.code() != grpc.StatusCode.UNAVAILABLE
-                or failed_peer(exc) != lost
-            ):
-                raise
-            self.flow.pool.mark_unhealthy(lost)
-            if not [
-                a for a in self.flow.pool.prefill if a != lost and a not in self.flow.pool.unhealthy
-            ]:
-                raise  # no other prefill worker: UNAVAILABLE
-            logger.warning(
-                "request %s: prefill worker %s lost its KV (%s); prefilling again elsewhere",
-                self.request_id,
-                lost,
-                exc.details(),
-            )
-        self._release_kv(
-            self.handle.request_id or self.request_id, lost
-        )  # best effort; its lease covers it
-        first_token_id = self.handle.first_token_id
-        self.handle = None
-        retried = self._prefill(prepared)
-        if not retried.HasField("kv_handle"):
-            raise ServiceUnavailableError(
-                f"request {self.request_id}: the retried prefill returned no KV"
-            )
-        self.handle = retried.kv_handle
-        self.handle.first_token_id = (
-            first_token_id  # continue from the token the client already has
-        )
-        yield from self._decode(prepared, self.handle, text)
 
     def _remaining(self) -> float:
         """Seconds left until the deadline; TimeoutError when none are."""
@@ -160,7 +168,7 @@ class RequestRun:
     def _prepare(self) -> PreparedRequest:
         start = time.monotonic()
         prepared = prepare_request(self.request, self.flow.model)
-        self.request_id = prepared.request_id
+        self.request_id = self.engine_request_id = prepared.request_id
         self.stats.on_tokenized(len(prepared.prompt_token_ids), time.monotonic() - start)
         needed = len(prepared.prompt_token_ids) + prepared.params.max_tokens
         capacity = self.flow.pool.decode_capacity()
@@ -173,11 +181,14 @@ class RequestRun:
             )
         return prepared
 
-    def _prefill(self, prepared: PreparedRequest) -> worker_pb2.PrefillResponse:
-        """Runs the Prefill RPC on a picked worker; cancellable through the scope. A worker that
-        answers UNAVAILABLE (dead, or draining) is marked unhealthy and the call goes once to
+    def _prefill(self, prepared: PreparedRequest, resumed: list[int]) -> worker_pb2.PrefillResponse:
+        """Runs the Prefill RPC (of the prompt, plus a migrated request's `resumed` outputs) on
+        a picked worker; cancellable through the scope. A worker that answers UNAVAILABLE (dead,
+        draining, or stalled while unhealthy) is marked unhealthy and the call goes once to
         another healthy worker, if there is one."""
-        routing, num_prompt = self.flow.routing, len(prepared.prompt_token_ids)
+        routing = self.flow.routing
+        context_ids = prepared.prompt_token_ids + resumed
+        num_prompt = len(context_ids)
         prefer = None
         if self.siblings is not None and not self.leader:
             waited = time.monotonic()
@@ -185,10 +196,10 @@ class RequestRun:
             self.stats.router_queue += time.monotonic() - waited  # behind the leader's prefill
         for attempt in (1, 2):
             self.prefill_address, _ = routing.pick_prefill(
-                prepared.prompt_token_ids, prepared.cache_salt, prefer if attempt == 1 else None
+                context_ids, prepared.cache_salt, prefer if attempt == 1 else None
             )
             try:
-                response = self._call_prefill(prepared)
+                response = self._call_prefill(prepared, resumed)
             except grpc.RpcError as exc:
                 if not self._worker_went_away(exc):
                     raise
@@ -200,9 +211,7 @@ class RequestRun:
                 continue
             finally:
                 routing.prefill_done(self.prefill_address, num_prompt)
-            routing.learn_routed(
-                self.prefill_address, prepared.prompt_token_ids, prepared.cache_salt
-            )
+            routing.learn_routed(self.prefill_address, context_ids, prepared.cache_salt)
             if self.siblings is not None and self.leader:
                 self.siblings.prefilled(self.prefill_address)
             return response
@@ -218,13 +227,16 @@ class RequestRun:
             and not isinstance(exc, RequestCancelledError)
         )
 
-    def _call_prefill(self, prepared: PreparedRequest) -> worker_pb2.PrefillResponse:
-        stub = self.flow.pool.prefill_stub(self.prefill_address)
+    def _call_prefill(
+        self, prepared: PreparedRequest, resumed: list[int]
+    ) -> worker_pb2.PrefillResponse:
+        stub, rid = self.flow.pool.prefill_stub(self.prefill_address), self.engine_request_id
         message = worker_pb2.PrefillRequest(
-            request_id=prepared.request_id,
+            request_id=rid,
             prompt_token_ids=prepared.prompt_token_ids,
             sampling=sampling_to_proto(prepared.params),
             cache_salt=prepared.cache_salt,
+            output_token_ids=resumed,
         )
         self.scope.check()
         start = time.monotonic()
@@ -232,15 +244,18 @@ class RequestRun:
             stub.Prefill.future(message, timeout=self._remaining(), metadata=request_id.metadata())
         )
         try:
-            response = future.result()
+            with self.flow.watchdog.watch(self.prefill_address, future) as watch:
+                response = future.result()
         except grpc.FutureCancelledError:
             # The worker may have pinned the prompt KV just as we cancelled: release it by id
             # (a release that arrives before the pin is remembered and applied to it).
-            self._release_kv(prepared.request_id, self.prefill_address)
-            raise RequestCancelledError() from None
+            self._release_kv(rid, self.prefill_address)
+            if watch.stalled and not self.scope.cancelled:
+                raise StalledCallError(self.prefill_address) from None
+            raise self.scope.error() from None
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                self._release_kv(prepared.request_id, self.prefill_address)
+                self._release_kv(rid, self.prefill_address)
             raise
         finally:
             self.scope.untrack(future)
@@ -250,76 +265,84 @@ class RequestRun:
         return response
 
     def _decode(
-        self, prepared: PreparedRequest, handle: common_pb2.KVHandle | None, text: TextStream
-    ) -> Iterator[generate_pb2.GenerateResponse]:
-        """Streams the Decode RPC's tokens through `text` until a finish_reason or stop string;
-        without a `handle`, the decode worker prefills the prompt itself (the local path)."""
-        self.stats.on_decode_started()  # a sibling's wait for the leader's KV is decode queue
-        prefer = None
-        if self.siblings is not None and not self.leader:
-            prefer = self.siblings.decode_worker(self._remaining())
-        address = self.flow.routing.pick_decode(prefer)
-        try:
-            yield from self._stream_decode(prepared, handle, text, address)
-        except grpc.RpcError as exc:
-            if (
-                exc.code() == grpc.StatusCode.UNAVAILABLE and failed_peer(exc) is None
-            ):  # the decode worker itself
-                raise PeerUnavailableError(
-                    f"decode worker {address}: {exc.details()}", peer=address
-                ) from exc
-            raise
-        finally:
-            self.flow.routing.decode_done(address)
-
-    def _stream_decode(
         self,
         prepared: PreparedRequest,
         handle: common_pb2.KVHandle | None,
         text: TextStream,
-        address: str,
+        resumed: list[int],
     ) -> Iterator[generate_pb2.GenerateResponse]:
-        stub = self.flow.pool.decode_stub(address)
+        """Streams the Decode RPC's tokens through `text` until a finish_reason or stop string;
+        without a `handle`, the decode worker prefills the prompt (+ `resumed`) itself (the
+        local path). Raises WorkerLost when the decode worker (or the KV's source) fails."""
+        self.stats.on_decode_started()  # a sibling's wait for the leader's KV is decode queue
+        prefer = None
+        if self.siblings is not None and not self.leader and not resumed:
+            prefer = self.siblings.decode_worker(self._remaining())
+        address = self.flow.routing.pick_decode(prefer)
         message = worker_pb2.DecodeRequest(
-            request_id=prepared.request_id,
+            request_id=self.engine_request_id,
             prompt_token_ids=prepared.prompt_token_ids,
             sampling=sampling_to_proto(prepared.params),
             kv_handle=handle,
             cache_salt=prepared.cache_salt,
+            output_token_ids=resumed,
         )
         self.scope.check()
         call = self.scope.track(
-            stub.Decode(message, timeout=self._remaining(), metadata=request_id.metadata())
+            self.flow.pool.decode_stub(address).Decode(
+                message, timeout=self._remaining(), metadata=request_id.metadata()
+            )
         )
         try:
-            for reply in call:
-                if not self.kv_landed:  # the prompt's KV is in the decode worker's cache now
-                    self.kv_landed = True
-                    if handle is None:  # this reply carries the first token
-                        self.stats.on_local_prefill(reply.compute_seconds, reply.num_cached_tokens)
-                    else:
-                        self.stats.on_first_decode(reply.kv_transfer_seconds, reply.compute_seconds)
-                    if self.siblings is not None and self.leader:
-                        self.siblings.landed(address)
-                elif handle is None and self.stats.first_decode_at is None and reply.token_ids:
-                    self.stats.on_local_first_decode()  # the local path's second token
-                delta = text.add(list(reply.token_ids))
-                if delta.stopped:
-                    call.cancel()  # the decode worker frees the request's blocks now
-                    yield final_response(delta, text, "stop", reply.logprobs, self.stats)
-                    return
-                if reply.finish_reason:
-                    yield final_response(
-                        delta, text, reply.finish_reason, reply.logprobs, self.stats
-                    )
-                    drain(call)  # read the OK status rather than cancel a finished call
-                    return
-                if delta.token_ids:
-                    yield delta_response(delta, reply.logprobs, self.stats)
-            raise RuntimeError("decode worker ended its stream without a finish_reason")
+            with self.flow.watchdog.watch(address, call) as watch:
+                yield from self._stream_decode(call, handle, text, address, watch)
+        except grpc.RpcError as exc:
+            if self.scope.cancelled:
+                raise self.scope.error() from exc
+            source = self._kv_source() if handle is not None else None
+            lost = decode_failure(
+                exc, address, source, self.kv_landed, watch.stalled, self.scope.cancelled
+            )
+            if lost is not None:
+                raise lost from exc
+            raise
         finally:
             self.scope.untrack(call)
             call.cancel()  # no-op once the stream has completed; frees the worker otherwise
+            self.flow.routing.decode_done(address)
+
+    def _stream_decode(
+        self,
+        call: ResponseStream[worker_pb2.DecodeResponse],
+        handle: common_pb2.KVHandle | None,
+        text: TextStream,
+        address: str,
+        watch: Watch,
+    ) -> Iterator[generate_pb2.GenerateResponse]:
+        for reply in call:
+            watch.progress()
+            if not self.kv_landed:  # the prompt's KV is in the decode worker's cache now
+                self.kv_landed = True
+                if handle is None:  # this reply carries the first token
+                    self.stats.on_local_prefill(reply.compute_seconds, reply.num_cached_tokens)
+                else:
+                    self.stats.on_first_decode(reply.kv_transfer_seconds, reply.compute_seconds)
+                if self.siblings is not None and self.leader:
+                    self.siblings.landed(address)
+            elif handle is None and self.stats.first_decode_at is None and reply.token_ids:
+                self.stats.on_local_first_decode()  # the local path's second token
+            delta = text.add(list(reply.token_ids))
+            if delta.stopped:
+                call.cancel()  # the decode worker frees the request's blocks now
+                yield final_response(delta, text, "stop", reply.logprobs, self.stats)
+                return
+            if reply.finish_reason:
+                yield final_response(delta, text, reply.finish_reason, reply.logprobs, self.stats)
+                drain(call)  # read the OK status rather than cancel a finished call
+                return
+            if delta.token_ids:
+                yield delta_response(delta, reply.logprobs, self.stats)
+        raise RuntimeError("decode worker ended its stream without a finish_reason")
 
     def _release_kv(self, request_id: str, source: str) -> None:
         """Unpins a request's prompt KV on the prefill worker at `source` (best effort; a lapsed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -55,15 +55,18 @@ def final_response(
     )
 
 
-class _ResponseStream(Protocol):
+MessageT = TypeVar("MessageT", covariant=True)
+
+
+class ResponseStream(Protocol[MessageT]):
     """A response-streaming gRPC call: an iterator over its messages that can be cancelled."""
 
-    def __iter__(self) -> Iterator[object]: ...
+    def __iter__(self) -> Iterator[MessageT]: ...
 
     def cancel(self) -> bool: ...
 
 
-def drain(call: _ResponseStream) -> None:
+def drain(call: ResponseStream[object]) -> None:
     """Waits for the end of a decode stream whose last message was already received.
 
     A message after finish_reason is a worker bug: the call is cancelled instead of read on.

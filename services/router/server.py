@@ -97,6 +97,7 @@ class RunningRouter:
         if self.app is not None:
             self.app.close()
         self.membership.close()
+        self.flow.close()
         self.flow.pool.close()
 
     def stop(self, grace: float = 1.0) -> None:
@@ -119,6 +120,7 @@ def build_flow(config: RouterConfig, dynamic: bool = False) -> GenerateFlow:
         config.max_queued_requests,
         config.disaggregation,
         config.max_local_prefill_tokens,
+        config.migration,
     )
 
 
@@ -152,6 +154,7 @@ def start_router(config: RouterConfig, dynamic: bool = False) -> RunningRouter:
         flow.pool.close()
         raise
     flow.pool.start_health_checks()
+    flow.start()
     membership.start()
     http, app = None, None
     if config.http_port is not None:
@@ -199,4 +202,12 @@ def serve(config: RouterConfig) -> None:
     once requests are accepted."""
     router = start_router(config)
     print(router.ready_line(), flush=True)
-    wait_for_termination(router.service, on_stop=router.close)
+    flow = router.flow
+    wait_for_termination(
+        router.service,
+        on_stop=router.close,
+        draining=flow.stopping,
+        drained=lambda: flow.num_active == 0,
+        drain_timeout=config.http.shutdown_timeout,
+        before_stop=flow.end_all,
+    )

@@ -77,6 +77,11 @@ class RequestStats:
     counts_prompt: bool = True
     """Whether this sequence adds its prompt to `pdserve_prompt_tokens_total` (False for the
     2nd..nth choice of one prompt, which share the first one's)."""
+    migrations: int = 0
+    """Times the stream moved to another decode worker."""
+    migration: float = 0.0
+    """Seconds from each move's failure to the next token sent, summed."""
+    migrating_since: float | None = None
 
     def on_started(self) -> None:
         """The router starts working on the request (its flow thread picked it up)."""
@@ -93,18 +98,30 @@ class RequestStats:
 
     def on_prefill(self, call_seconds: float, compute_seconds: float, cached_tokens: int) -> None:
         """A Prefill call took `call_seconds`, of which `compute_seconds` were its worker's
-        compute (a retried prefill's figures add to the first one's)."""
+        compute (a retried or migrated prefill's figures add to the first one's; the usage's
+        cached_tokens stay the first prefill's)."""
         self.prefill_queue += max(0.0, call_seconds - compute_seconds)
         self.prefill += compute_seconds
-        self.cached_tokens = cached_tokens
+        if not self.migrations:
+            self.cached_tokens = cached_tokens
         metrics.PREFILL_TIME.labels(ROLE).observe(call_seconds)
+
+    def on_migrated(self, reason: str) -> None:
+        """The stream's worker failed (`reason`, a MIGRATION_REASONS value): it moves on."""
+        self.migrations += 1
+        if self.migrating_since is None:
+            self.migrating_since = time.monotonic()
+        metrics.REQUEST_MIGRATIONS.labels(ROLE, reason).inc()
 
     def on_decode_started(self) -> None:
         self.decode_start = time.monotonic()
 
     def on_first_decode(self, kv_transfer: float, step_seconds: float) -> None:
         """The first Decode reply arrived: the KV pull took `kv_transfer` seconds and the step
-        that computed its token `step_seconds` (both measured by the decode worker)."""
+        that computed its token `step_seconds` (both measured by the decode worker). After a
+        migration only the first worker's figures are kept."""
+        if self.first_decode_at is not None:
+            return
         now = time.monotonic()
         assert self.decode_start is not None  # on_decode_started came first
         self.kv_transfer, self.first_decode_step, self.first_decode_at = (
@@ -119,6 +136,9 @@ class RequestStats:
         """The local path's first Decode reply (the first token) arrived; its decode worker
         spent `compute_seconds` prefilling (from first scheduled to that token)."""
         assert self.decode_start is not None  # on_decode_started came first
+        if self.migrations:  # a migrated stream's re-prefill: not the request's prefill
+            self.on_first_decode(0.0, compute_seconds)
+            return
         self.prefill_queue = max(0.0, time.monotonic() - self.decode_start - compute_seconds)
         self.prefill, self.cached_tokens = compute_seconds, cached_tokens
 
@@ -132,6 +152,9 @@ class RequestStats:
     def on_tokens_sent(self, num_tokens: int) -> None:
         """Called just before a message carrying `num_tokens` (> 0) new tokens is handed over."""
         now = time.monotonic()
+        if self.migrating_since is not None:
+            self.migration += now - self.migrating_since
+            self.migrating_since = None
         if self.first_token_at is None:
             self.first_token_at = now
             metrics.TIME_TO_FIRST_TOKEN.labels(ROLE).observe(now - self.start)
@@ -191,6 +214,8 @@ class RequestStats:
             first_decode_step=self.first_decode_step,
             decode=decode,
             path=self.path,
+            migrations=self.migrations,
+            migration=self.migration,
         )
 
 

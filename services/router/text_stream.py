@@ -39,15 +39,20 @@ class TextStream:
             IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
         )
         self._matcher = StopStringMatcher(stop)
-        self.num_tokens = 0
+        self.token_ids: list[int] = []
+        """Tokens accepted so far (a migrated request resumes after them)."""
+
+    @property
+    def num_tokens(self) -> int:
         """Tokens accepted so far (the completion length)."""
+        return len(self.token_ids)
 
     def add(self, token_ids: list[int]) -> TextDelta:
         """Feeds new tokens; stops at the token that completes a stop string."""
         delta = TextDelta([], "")
         for token_id in token_ids:
             delta.token_ids.append(token_id)
-            self.num_tokens += 1
+            self.token_ids.append(token_id)
             if self._detokenizer is None:
                 continue
             text, stopped = self._matcher.add(self._detokenizer.add_tokens([token_id]))

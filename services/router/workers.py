@@ -74,6 +74,7 @@ class WorkerPool:
             str, float
         ] = {}  # address -> when to ask again after a failure
         self.unhealthy: set[str] = set()  # addresses taken out of routing
+        self._marked_at: dict[str, float] = {}  # address -> when a call found it down
         self._failures: dict[str, int] = {}  # address -> consecutive failed health checks
         self._free_blocks: dict[str, int] = {}  # decode address -> free KV blocks at the last check
         self._max_num_seqs: dict[str, int] = {}  # decode address -> its engine's max_num_seqs
@@ -103,6 +104,7 @@ class WorkerPool:
                 return
             setattr(self, role, [a for a in getattr(self, role) if a != address])
             for table in (
+                self._marked_at,
                 self._capacity,
                 self._capacity_retry_at,
                 self._failures,
@@ -136,6 +138,7 @@ class WorkerPool:
 
     def _check_all(self, timeout_s: float) -> None:
         for address in self.addresses:
+            started = time.monotonic()
             healthy = self._serving(address, timeout_s)
             if healthy and address in self.decode:
                 try:  # for routing only: health is the health service's answer
@@ -153,6 +156,8 @@ class WorkerPool:
                 healthy = healthy or (
                     self._failures[address] < HEALTH_FAILURES and address not in self.unhealthy
                 )
+                # A check that began before a call found the worker down says nothing new.
+                healthy = healthy and started > self._marked_at.get(address, 0.0)
                 if healthy and address in self.unhealthy:
                     logger.info("worker %s is healthy again", address)
                     self.unhealthy.discard(address)
@@ -169,6 +174,21 @@ class WorkerPool:
         metrics.WORKER_HEALTHY.labels("router", address).set(0)
         with self._lock:
             self.unhealthy.add(address)
+            self._marked_at[address] = time.monotonic()
+
+    def is_unhealthy(self, address: str) -> bool:
+        return address in self.unhealthy
+
+    def wait_healthy(self, role: str, timeout: float) -> bool:
+        """Waits up to `timeout` seconds until a `role` worker is in routing (a restarted or
+        newly joined one included); True when one is."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if [a for a in getattr(self, role) if a not in self.unhealthy]:
+                    return True
+            if time.monotonic() >= deadline or self._stop.wait(0.05):
+                return False
 
     @property
     def addresses(self) -> list[str]:

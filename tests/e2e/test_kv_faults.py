@@ -272,6 +272,8 @@ def stalled_cluster(request, default_model):
         "0",
         "--routing",
         "round_robin",
+        "--migration-wait",  # with no other prefill worker, a lost KV waits this long for one
+        "3",
         "--decode",
         decode.ready["grpc"],
         *[arg for p in prefill for arg in ("--prefill", p.ready["grpc"])],

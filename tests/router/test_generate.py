@@ -188,12 +188,29 @@ def test_prefill_error_keeps_its_code(cluster, stub):
 
 
 def test_decode_failure_before_kv_landed_releases_the_prefill_kv(cluster, stub, tokenizer):
+    """A decode worker that fails every call: the request migrates max_migrations times (each
+    attempt prefilled under its own id), then ends UNAVAILABLE naming the worker; every
+    attempt's prompt KV is released."""
     ids = _completion_ids(tokenizer)
     _script(cluster, ids, error=grpc.StatusCode.UNAVAILABLE)
+    router, prefill, decode = cluster
+    migrations = _metric("pdserve_request_migrations_total", reason="decode_failed")
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(_request(), timeout=30))
+    max_migrations = router.flow.migration.max_migrations
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert _wait_until(lambda: cluster[1].released == [cluster[1].requests[0].request_id])
+    assert router.flow.pool.decode[0] in info.value.details()
+    assert f"after {max_migrations} migration(s)" in info.value.details()
+    rids = [r.request_id for r in prefill.requests]
+    assert len(rids) == len(set(rids)) == 1 + max_migrations
+    # each attempt resumes after every token the client has (the fake prefill repeats its one)
+    assert [list(r.output_token_ids) for r in prefill.requests] == [
+        ids[:1] * n for n in range(1 + max_migrations)
+    ]
+    assert _wait_until(lambda: sorted(prefill.released) == sorted(rids))
+    assert _metric("pdserve_request_migrations_total", reason="decode_failed") == (
+        migrations + max_migrations
+    )
 
 
 def test_cancel_before_decode_releases_the_prefill_kv(cluster, model_info, tokenizer):

@@ -54,7 +54,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("ttft", "e2e", "tokenize", "prefill", "kv_transfer", "decode", "router_queue", "prefill_queue", "decode_queue", "first_decode_step", "path")
+    __slots__ = ("ttft", "e2e", "tokenize", "prefill", "kv_transfer", "decode", "router_queue", "prefill_queue", "decode_queue", "first_decode_step", "path", "migrations", "migration")
     TTFT_FIELD_NUMBER: _ClassVar[int]
     E2E_FIELD_NUMBER: _ClassVar[int]
     TOKENIZE_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,8 @@ class Timings(_message.Message):
     DECODE_QUEUE_FIELD_NUMBER: _ClassVar[int]
     FIRST_DECODE_STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_FIELD_NUMBER: _ClassVar[int]
     ttft: float
     e2e: float
     tokenize: float
@@ -77,7 +79,9 @@ class Timings(_message.Message):
     decode_queue: float
     first_decode_step: float
     path: str
-    def __init__(self, ttft: _Optional[float] = ..., e2e: _Optional[float] = ..., tokenize: _Optional[float] = ..., prefill: _Optional[float] = ..., kv_transfer: _Optional[float] = ..., decode: _Optional[float] = ..., router_queue: _Optional[float] = ..., prefill_queue: _Optional[float] = ..., decode_queue: _Optional[float] = ..., first_decode_step: _Optional[float] = ..., path: _Optional[str] = ...) -> None: ...
+    migrations: int
+    migration: float
+    def __init__(self, ttft: _Optional[float] = ..., e2e: _Optional[float] = ..., tokenize: _Optional[float] = ..., prefill: _Optional[float] = ..., kv_transfer: _Optional[float] = ..., decode: _Optional[float] = ..., router_queue: _Optional[float] = ..., prefill_queue: _Optional[float] = ..., decode_queue: _Optional[float] = ..., first_decode_step: _Optional[float] = ..., path: _Optional[str] = ..., migrations: _Optional[int] = ..., migration: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage", "timings", "logprobs")
