@@ -124,10 +124,12 @@ def _leading(held: dict[BlockHash, None], block_hashes: Sequence[BlockHash]) -> 
 
 # Liveness uses the Redis server's clock (TIME), so hosts' clocks need not agree.
 # KEYS[1]: the live-workers sorted set, KEYS[2]: the worker's set. ARGV: worker, ttl.
-# Returns 1 if the worker's set exists (its entries survived), else 0.
+# Returns 1 if the worker's set exists (its entries survived), else 0. The sorted set expires
+# too, a ttl after the last heartbeat of any worker: a cluster that is gone leaves no key.
 _TOUCH_SCRIPT = """
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6, ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
 return redis.call('EXPIRE', KEYS[2], ARGV[2])
 """
 

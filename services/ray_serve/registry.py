@@ -32,7 +32,11 @@ class Registry:
     def __init__(self, app: RayAppConfig) -> None:
         self._targets = app.cluster.prometheus_targets
         if self._targets:
-            check_path(self._targets)
+            try:  # checked at build time; a folder gone since must not take the app down
+                check_path(self._targets)
+            except ValueError as exc:
+                logger.error("%s: no Prometheus targets are written", exc)
+                self._targets = None
         self._model = app.cluster.engine.model
         self._lock = threading.Lock()
         self._dirty = threading.Event()

@@ -3,8 +3,9 @@ worker pool follows.
 
 Workers reach the table two ways: `Admin.RegisterWorker` (a worker started with
 `--register-with`), and `follow(source)`, which renews every member a source lists (under Ray,
-the registry deployment's members: `services/ray_serve/router.py`). A member that stops renewing
-lapses after the router's `registration_ttl` and leaves the pool; health checks take a dead
+the registry deployment's members: `services/ray_serve/router.py`, which drops one the registry no
+longer lists at once). A member that stops renewing lapses after the router's
+`registration_ttl` and leaves the pool; health checks take a dead
 worker out of routing long before that (`workers.py`).
 """
 
@@ -52,7 +53,8 @@ class RouterMembership:
 
     def follow(self, source: Callable[[], list[Member]], interval_s: float) -> None:
         """Renew every member `source()` returns, every `interval_s` seconds, on a daemon
-        thread (a failing source is logged once per outage; its members then lapse)."""
+        thread; a member it stops listing leaves at once (a failing source is logged once per
+        outage; its members then lapse after the ttl)."""
         self._spawn(lambda: self._follow_loop(source, interval_s), "membership-follow")
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
@@ -65,12 +67,19 @@ class RouterMembership:
             self.table.expire()
 
     def _follow_loop(self, source: Callable[[], list[Member]], interval_s: float) -> None:
-        failing = False
+        failing, followed = False, set[str]()
         while True:
             try:
-                for member in source():
-                    if member.role in WORKER_ROLES:
-                        self.table.register(member)
+                listed = [m for m in source() if m.role in WORKER_ROLES]
+                for member in listed:
+                    self.table.register(member)
+                # The source is the authority for what it listed: one it no longer lists has
+                # left (or lapsed there) and leaves now, not a router ttl later.
+                current = {m.address for m in listed}
+                for address in followed - current:
+                    if self.table.leave(address) is not None:
+                        logger.info("worker %s left the membership source", address)
+                followed = current
                 if failing:
                     logger.info("the membership source answers again")
                 failing = False

@@ -61,6 +61,7 @@ class WorkerPool:
         self.prefill = [check_address(a, "prefill") for a in prefill]
         self.decode = [check_address(a, "decode") for a in decode]
         self._configured = frozenset([*self.prefill, *self.decode])  # never removed
+        self._dynamic = dynamic
         if not self.decode and not dynamic:
             logger.warning("no decode workers: every request gets UNAVAILABLE")
         if not self.prefill and not dynamic:  # fine when every prompt is prefilled locally
@@ -205,7 +206,8 @@ class WorkerPool:
 
     def _healthy(self, addresses: list[str], role: str) -> list[str]:
         if not addresses:
-            raise ServiceUnavailableError(f"no {role} workers configured")
+            how = "registered" if self._dynamic else "configured"
+            raise ServiceUnavailableError(f"no {role} workers {how}")
         with self._lock:
             healthy = [a for a in addresses if a not in self.unhealthy]
         return healthy or list(addresses)  # fail open: the call will say what is wrong

@@ -111,3 +111,28 @@ def test_a_first_registration_that_fails_is_raised():
 
     with pytest.raises(ConnectionError, match="no router"):
         Registrar(B, register).start()
+
+
+def test_a_followed_source_is_the_authority_for_what_it_listed():
+    """A member the source stops listing leaves the router's pool at once (under Ray: the
+    registry expired or dropped it), not a router ttl later; one registered directly stays."""
+    from services.router.membership import RouterMembership
+    from services.router.workers import WorkerPool
+
+    pool = WorkerPool([], [], dynamic=True)
+    membership = RouterMembership(pool, ttl_s=60.0)
+    listed = [A, B]
+    membership.register(Member("decode", "127.0.0.1:5003"))  # via RegisterWorker
+    membership.follow(lambda: list(listed), interval_s=0.02)
+    try:
+        deadline = time.monotonic() + 5
+        while pool.decode != ["127.0.0.1:5003", B.address] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.prefill == [A.address] and pool.decode == ["127.0.0.1:5003", B.address]
+        listed.remove(B)
+        while B.address in pool.decode and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.decode == ["127.0.0.1:5003"] and pool.prefill == [A.address]
+    finally:
+        membership.close()
+        pool.close()

@@ -138,3 +138,17 @@ def _safe_match(index, hashes):
         return index.match(hashes)
     except PrefixIndexUnavailable:
         return None
+
+
+def test_a_gone_cluster_leaves_no_redis_key(redis_server):
+    """Every key expires a ttl after the last heartbeat, the live-workers set included."""
+    namespace = f"test:{uuid.uuid4().hex}"
+    index = RedisPrefixIndex(redis_server.url, namespace, ttl_s=1.0)
+    try:
+        index.apply("a:1", [_stored(HASHES)])
+        keys = [f"{namespace}:workers", index._worker_key("a:1")]
+        assert all(0 < index.client.ttl(key) <= 1 for key in keys)
+        time.sleep(2.1)
+        assert index.client.exists(*keys) == 0
+    finally:
+        index.close()

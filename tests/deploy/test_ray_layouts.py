@@ -23,17 +23,25 @@ TWO_NODES = ROOT / "deploy" / "ray_serve" / "two_node_8gpu.yaml"
 DEPLOYMENTS = {"router", "prefill", "decode", "registry"}
 
 
-def _built(config: dict):
+def _built(config: dict, on_its_nodes: bool = False):
     """Serve's own build of the application (what `serve deploy` runs), with the config's
-    `deployments:` options applied as Serve applies them."""
+    `deployments:` options applied as Serve applies them. `on_its_nodes`: the model and targets
+    folders it names are on its own (GPU) nodes, not here, so the node-local check is skipped."""
+    from unittest import mock
+
     from ray.serve._private.build_app import build_app as serve_build
     from ray.serve.schema import ServeDeploySchema
 
+    from services.ray_serve import app as app_module
     from services.ray_serve import build_app
 
     schema = ServeDeploySchema.model_validate(config)  # Serve's own check of the file
     (app,) = schema.applications
-    built = serve_build(build_app(app.args), name=app.name)
+    with mock.patch.object(app_module, "check_paths", wraps=app_module.check_paths) as check:
+        if on_its_nodes:
+            check.side_effect = lambda _: None
+        built = serve_build(build_app(app.args), name=app.name)
+    assert check.call_count == 1
     overrides = {d.name: d.model_dump(exclude_unset=True) for d in app.deployments}
     deployments = {}
     for deployment in built.deployments:
@@ -49,7 +57,7 @@ def _built(config: dict):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_shipped_serve_config_validates_and_builds(path):
-    app, deployments = _built(yaml.safe_load(path.read_text()))
+    app, deployments = _built(yaml.safe_load(path.read_text()), on_its_nodes=path == TWO_NODES)
     assert app.import_path == "services.ray_serve:build_app"
     assert set(deployments) == DEPLOYMENTS
     for name in ("prefill", "decode"):
@@ -104,7 +112,7 @@ def _place(nodes: dict[str, dict[str, float]], deployments: dict) -> dict[str, l
 
 def test_the_two_node_eight_gpu_layout_places_each_pool_where_its_comment_says():
     config = yaml.safe_load(TWO_NODES.read_text())
-    app, deployments = _built(config)
+    app, deployments = _built(config, on_its_nodes=True)
     nodes = _nodes(TWO_NODES)
     assert sorted(nodes) == ["nodeA", "nodeB"] and sum(r["GPU"] for r in nodes.values()) == 8
     placed = _place(nodes, deployments)
@@ -179,6 +187,23 @@ def test_engine_load_policy_asks_for_the_load_over_the_target():
     assert engine_load_policy(ctx({"a": 2.0, "b": 2.0}))[0] == 0.5  # Serve rounds and bounds it
     assert engine_load_policy(ctx({}))[0] == 3  # nothing reported yet: keep the target
     assert engine_load_policy(ctx({"a": 5.0}, current=0))[0] == 3
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"engine": {"model": "no-such-model"}}, "engine.model: 'no-such-model' is neither"),
+        ({"prometheus_targets": "/no/such/folder/ray.json"}, "prometheus_targets: /no/such"),
+    ],
+)
+def test_what_only_the_building_node_can_check_refuses_the_deploy(args, message):
+    """Checked by build_app, so `serve deploy` is refused and the running version keeps serving
+    (found in a replica's constructor, it would take the application down)."""
+    from services.ray_serve import build_app
+
+    with pytest.raises(ValueError) as error:
+        build_app(args)
+    assert str(error.value).startswith(message), str(error.value)
 
 
 def test_a_relative_targets_path_is_refused():

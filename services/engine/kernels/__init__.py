@@ -45,6 +45,7 @@ def _build_dir() -> Path:
     for part in (
         _SOURCE.read_bytes(),
         torch.__version__.encode(),
+        torch.__file__.encode(),  # each environment's own headers and libraries: its own build
         sys.version.encode(),
         platform.machine().encode(),
         _cpu_flags().encode(),
