@@ -146,8 +146,9 @@ ROWS = (
             Panel(
                 "Requests and errors",
                 "reqps",
-                "How many requests finish per second, by finish reason, and how many fail, by "
-                "gRPC code (HTTP 4xx/5xx count under the code they map to; refusals included)?",
+                "How many requests finish per second, by finish reason, how many fail, by "
+                "gRPC code (HTTP 4xx/5xx count under the code they map to; refusals included), "
+                "and how many streams moved to another worker, by reason (migrations)?",
                 (
                     Query(
                         f"sum by (finish_reason) "
@@ -157,6 +158,11 @@ ROWS = (
                     Query(
                         f"sum by (code) (rate(pdserve_request_errors_total{{{ROUTER}}}{RATE}))",
                         "error: {{code}}",
+                    ),
+                    Query(
+                        f"sum by (reason) "
+                        f"(rate(pdserve_request_migrations_total{{{ROUTER}}}{RATE}))",
+                        "moved: {{reason}}",
                     ),
                 ),
             ),

@@ -17,6 +17,7 @@ from services.common.cluster_config import ClusterConfig
 from services.common.config import DecodeConfig, PrefillConfig, PrefixIndexConfig, RouterConfig
 from services.common.config_json import from_json, to_dict, to_json
 from services.common.http_config import HttpConfig
+from services.common.migration_config import MigrationConfig
 from services.common.pb import common_pb2, generate_pb2, worker_pb2_grpc
 from services.engine.config import EngineConfig, EngineRole
 from tests.e2e.cluster import free_port, generation_stub, start
@@ -86,6 +87,7 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         max_local_prefill_tokens=32,
         api_key=KEY,
         registration_ttl=7.0,
+        migration=MigrationConfig(max_migrations=2, stream_stall_timeout=6.0, migration_wait=9.0),
         http=HttpConfig(
             max_body_bytes=100_000, read_timeout=20.0, keep_alive_timeout=3.0, shutdown_timeout=4.0
         ),

@@ -27,7 +27,8 @@ def tokenizer(default_model):
     return AutoTokenizer.from_pretrained(default_model)
 
 
-NUM_TOKENS = 300
+NUM_TOKENS = 300  # the SIGKILL streams
+SHORT = 160  # the stop-string and SIGSTOP streams
 STALL_TIMEOUT_S = 2.0
 KV_BYTES = str(96 << 20)
 
@@ -176,13 +177,13 @@ def test_sigkilled_decode_worker_seeded_stream_is_the_same(cluster, real_text_id
 
 def test_stop_string_straddling_the_migration_is_caught(cluster, tokenizer, real_text_ids):
     prompt = real_text_ids[1300:1350]
-    whole, _, _, _, _ = _stream(cluster, _request(prompt))
+    whole, _, _, _, _ = _stream(cluster, _request(prompt, SHORT))
     fault_at = 120
     # A stop string from a few tokens before the fault to well after it: wherever the router
     # was when the worker died (a few tokens past what the client had), it straddles.
     stop = tokenizer.decode(whole[fault_at - 3 : fault_at + 25])
     assert stop not in tokenizer.decode(whole[: fault_at + 24])
-    tokens, text, last, _, victim = _stream(cluster, _request(prompt, stop=[stop]), fault_at)
+    tokens, text, last, _, victim = _stream(cluster, _request(prompt, SHORT, stop=[stop]), fault_at)
     assert victim is not None and last.timings.migrations == 1
     assert last.finish_reason == "stop"
     assert tokens == whole[: fault_at + 25] and stop not in text
@@ -195,8 +196,8 @@ def test_sigstopped_decode_worker_streams_move_within_the_stall_timeout(
     cluster, default_model, real_text_ids
 ):
     prompt = real_text_ids[1700:1760]
-    reference = hf_greedy(default_model, prompt, NUM_TOKENS)
-    tokens, _, last, gap, victim = _stream(cluster, _request(prompt), 60, signal.SIGSTOP)
+    reference = hf_greedy(default_model, prompt, SHORT)
+    tokens, _, last, gap, victim = _stream(cluster, _request(prompt, SHORT), 60, signal.SIGSTOP)
     stopped = cluster["decode"][victim]
     try:
         assert_equivalent(tokens, reference, context="SIGSTOP at token 60")

@@ -242,3 +242,30 @@ def test_logprobs_follow_the_accepted_tokens(cluster, stub, tokenizer):
     tokens = [t for m in messages for t in m.token_ids]
     assert messages[-1].finish_reason == "stop" and len(tokens) < len(ids)
     assert [lp.token_id for m in messages for lp in m.logprobs] == tokens
+
+
+def test_a_router_shutting_down_ends_streams_unavailable_not_cancelled(cluster, stub, tokenizer):
+    """What the server ends is the server's doing: UNAVAILABLE (and counted so), never CANCELLED;
+    new requests are refused while it stops."""
+    ids = _completion_ids(tokenizer)
+    _script(cluster, ids, chunk=1, endless_token=_completion_ids(tokenizer, " more")[0])
+    router = cluster[0]
+    unavailable = _metric("pdserve_request_errors_total", code="UNAVAILABLE")
+    cancelled = _metric("pdserve_request_errors_total", code="CANCELLED")
+    call = stub.Generate(_request(max_tokens=500), timeout=30)
+    assert next(call).token_ids and next(call).token_ids  # the prefill's token, then decode's
+    router.flow.stopping.set()
+    try:
+        assert router.flow.end_all() == 1
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert info.value.details() == "the router is shutting down"
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(_request(), timeout=30))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        router.flow.stopping.clear()
+    assert _metric("pdserve_request_errors_total", code="UNAVAILABLE") == unavailable + 2
+    assert _metric("pdserve_request_errors_total", code="CANCELLED") == cancelled
+    assert cluster[2].cancelled.wait(CANCEL_WAIT_S)  # the decode stream was cancelled downstream
