@@ -9,8 +9,8 @@ errors are mapped by `services.common.errors.ErrorInterceptor`). Freeing work do
   KV landed (client gone, stop string in the first token, Decode failed or was never started),
   the router calls `KVTransfer.ReleaseKV` on the prefill worker named in the handle.
 Failures of a worker mid-request:
-- a Prefill call whose worker is UNAVAILABLE (dead, draining, or stalled while failing its
-  health checks) goes once to another healthy prefill worker;
+- a Prefill call (`prefill_call.py`) whose worker is UNAVAILABLE (dead, draining, or stalled
+  while failing its health checks) goes once to another healthy prefill worker;
 - a decode worker that dies or stalls, or a prefill worker that loses the KV before it landed,
   moves the request to another worker (`migration.py`): the prompt plus the tokens already
   streamed are prefilled again and the stream goes on from the next token.
@@ -28,17 +28,18 @@ import grpc
 from services.common import request_id
 from services.common.channels import release_kv
 from services.common.convert import sampling_to_proto
-from services.common.errors import PeerUnavailableError, ServiceUnavailableError
+from services.common.errors import PeerUnavailableError
 from services.common.pb import common_pb2, generate_pb2, worker_pb2
 from services.engine.errors import InvalidRequestError
-from services.router.cancel import CancelScope, RequestCancelledError
+from services.router.cancel import CancelScope
 from services.router.migration import WorkerLost, decode_failure
+from services.router.prefill_call import PrefillCalls
 from services.router.prompt import PreparedRequest, prepare_request
 from services.router.responses import ResponseStream, delta_response, drain, final_response
 from services.router.siblings import Siblings
 from services.router.stats import RequestStats
 from services.router.text_stream import TextStream
-from services.router.watchdog import StalledCallError, Watch
+from services.router.watchdog import Watch
 
 if TYPE_CHECKING:
     from services.router.generate import GenerateFlow
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class RequestRun:
+class RequestRun(PrefillCalls):
     """One request's state while it flows through prefill and decode."""
 
     def __init__(
@@ -180,89 +181,6 @@ class RequestRun:
                 f"the largest decode worker's KV cache holds {capacity} tokens per request",
             )
         return prepared
-
-    def _prefill(self, prepared: PreparedRequest, resumed: list[int]) -> worker_pb2.PrefillResponse:
-        """Runs the Prefill RPC (of the prompt, plus a migrated request's `resumed` outputs) on
-        a picked worker; cancellable through the scope. A worker that answers UNAVAILABLE (dead,
-        draining, or stalled while unhealthy) is marked unhealthy and the call goes once to
-        another healthy worker, if there is one."""
-        routing = self.flow.routing
-        context_ids = prepared.prompt_token_ids + resumed
-        num_prompt = len(context_ids)
-        prefer = None
-        if self.siblings is not None and not self.leader:
-            waited = time.monotonic()
-            prefer = self.siblings.prefill_worker(self._remaining())
-            self.stats.router_queue += time.monotonic() - waited  # behind the leader's prefill
-        for attempt in (1, 2):
-            self.prefill_address, _ = routing.pick_prefill(
-                context_ids, prepared.cache_salt, prefer if attempt == 1 else None
-            )
-            try:
-                response = self._call_prefill(prepared, resumed)
-            except grpc.RpcError as exc:
-                if not self._worker_went_away(exc):
-                    raise
-                self.flow.pool.mark_unhealthy(self.prefill_address)
-                if attempt == 2 or self.flow.pool.healthy_prefill() == [self.prefill_address]:
-                    raise ServiceUnavailableError(  # no other worker to try
-                        f"prefill worker {self.prefill_address}: {exc.details()}"
-                    ) from exc
-                continue
-            finally:
-                routing.prefill_done(self.prefill_address, num_prompt)
-            routing.learn_routed(self.prefill_address, context_ids, prepared.cache_salt)
-            if self.siblings is not None and self.leader:
-                self.siblings.prefilled(self.prefill_address)
-            return response
-        raise AssertionError("unreachable")
-
-    def _worker_went_away(self, exc: grpc.RpcError) -> bool:
-        """UNAVAILABLE (dead, draining), or CANCELLED by the worker's side (a server that is
-        stopping cancels the calls it still has) while this request was not cancelled."""
-        code = exc.code()
-        return code == grpc.StatusCode.UNAVAILABLE or (
-            code == grpc.StatusCode.CANCELLED
-            and not self.scope.cancelled
-            and not isinstance(exc, RequestCancelledError)
-        )
-
-    def _call_prefill(
-        self, prepared: PreparedRequest, resumed: list[int]
-    ) -> worker_pb2.PrefillResponse:
-        stub, rid = self.flow.pool.prefill_stub(self.prefill_address), self.engine_request_id
-        message = worker_pb2.PrefillRequest(
-            request_id=rid,
-            prompt_token_ids=prepared.prompt_token_ids,
-            sampling=sampling_to_proto(prepared.params),
-            cache_salt=prepared.cache_salt,
-            output_token_ids=resumed,
-        )
-        self.scope.check()
-        start = time.monotonic()
-        future = self.scope.track(
-            stub.Prefill.future(message, timeout=self._remaining(), metadata=request_id.metadata())
-        )
-        try:
-            with self.flow.watchdog.watch(self.prefill_address, future) as watch:
-                response = future.result()
-        except grpc.FutureCancelledError:
-            # The worker may have pinned the prompt KV just as we cancelled: release it by id
-            # (a release that arrives before the pin is remembered and applied to it).
-            self._release_kv(rid, self.prefill_address)
-            if watch.stalled and not self.scope.cancelled:
-                raise StalledCallError(self.prefill_address) from None
-            raise self.scope.error() from None
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                self._release_kv(rid, self.prefill_address)
-            raise
-        finally:
-            self.scope.untrack(future)
-        self.stats.on_prefill(
-            time.monotonic() - start, response.compute_seconds, response.num_cached_tokens
-        )
-        return response
 
     def _decode(
         self,
