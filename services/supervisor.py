@@ -3,7 +3,8 @@
 Each service is a child process that prints one `ready {json}` stdout line once it accepts
 requests. The supervisor starts the workers, waits for their ready lines, starts the router with
 their addresses, prints one aggregated ready line and then watches:
-- SIGINT/SIGTERM: SIGTERM every child, SIGKILL any still alive after `stop_timeout`, exit 0;
+- SIGINT/SIGTERM: SIGTERM the router, which drains (up to its `--shutdown-timeout`), then the
+  workers; SIGKILL any still alive after its time; exit 0;
 - a child that never becomes ready at the first start: stop the rest, exit 1 with its stderr
   tail;
 - a child that exits while serving: start it again on the same ports after a backoff
@@ -224,24 +225,37 @@ class Supervisor:
         _log(line if line.startswith('{"') else f"[{child.name}] {line}")
 
     def _stop_all(self) -> None:
-        """SIGTERM every live child (router first), SIGKILL after `stop_timeout`, reap all."""
-        alive = [c for c in reversed(self.children) if c.proc.poll() is None]
-        for child in alive:
-            child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.spec.stop_timeout
-        while any(c.proc.poll() is None for c in alive) and time.monotonic() < deadline:
-            self._pipes.pump(0.05)  # keep reading: a child logging on its way out must not block
-        for child in alive:
-            if child.proc.poll() is None:
-                _say(
-                    f"{child.name} (pid {child.proc.pid}) still running "
-                    f"{self.spec.stop_timeout:g} s after SIGTERM; killing it"
-                )
-                child.proc.kill()
+        """SIGTERM the router and wait while it drains (its streams run on the workers, still
+        up), then SIGTERM the workers; SIGKILL whatever outlives its time; reap all."""
+        alive = [c for c in self.children if c.proc.poll() is None]
+        routers = [c for c in alive if c.spec.role == "router"]
+        self._stop_group(routers, max([self._stop_time(c) for c in routers], default=0.0))
+        self._stop_group([c for c in alive if c not in routers], self.spec.stop_timeout)
         for child in self.children:
             child.proc.wait()
             self._drain(child, limit=0.2)
         self._pipes.close()
+
+    def _stop_time(self, child: Child) -> float:
+        """Seconds `child` gets between SIGTERM and SIGKILL: a router's drain
+        (`--shutdown-timeout`) and a margin, else the cluster's stop_timeout."""
+        http = getattr(child.spec.config, "http", None)
+        drain = getattr(http, "shutdown_timeout", None)
+        return self.spec.stop_timeout if drain is None else drain + self.spec.stop_timeout
+
+    def _stop_group(self, children: list[Child], timeout: float) -> None:
+        for child in children:
+            child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while any(c.proc.poll() is None for c in children) and time.monotonic() < deadline:
+            self._pipes.pump(0.05)  # keep reading: a child logging on its way out must not block
+        for child in children:
+            if child.proc.poll() is None:
+                _say(
+                    f"{child.name} (pid {child.proc.pid}) still running "
+                    f"{timeout:g} s after SIGTERM; killing it"
+                )
+                child.proc.kill()
 
 
 def _parse_ready(line: str) -> dict | None:

@@ -2,8 +2,9 @@
 
 A worker that answers UNAVAILABLE (dead, draining) or that the watchdog cut (stalled while
 failing its health checks) is marked unhealthy and the call goes once to another healthy worker,
-if there is one. A cancel (client, deadline, shutdown) releases whatever the worker may have
-pinned by the request's id. Mixed into `request_run.RequestRun`, whose state it uses.
+waiting up to `--migration-wait` seconds for one when none is left (a restarted one counts).
+A cancel (client, deadline, shutdown) releases whatever the worker may have pinned by the
+request's id. Mixed into `request_run.RequestRun`, whose state it uses.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class PrefillCalls:
         """Runs the Prefill RPC (of the prompt, plus a migrated request's `resumed` outputs) on
         a picked worker; cancellable through the scope. A worker that answers UNAVAILABLE (dead,
         draining, or stalled while unhealthy) is marked unhealthy and the call goes once to
-        another healthy worker, if there is one."""
+        another healthy worker, waiting up to `--migration-wait` for one (a restarted worker
+        counts) when none is left."""
         routing = self.flow.routing
         context_ids = prepared.prompt_token_ids + resumed
         num_prompt = len(context_ids)
@@ -67,9 +69,12 @@ class PrefillCalls:
                 if not self._worker_went_away(exc):
                     raise
                 self.flow.pool.mark_unhealthy(self.prefill_address)
-                if attempt == 2 or self.flow.pool.healthy_prefill() == [self.prefill_address]:
-                    raise ServiceUnavailableError(  # no other worker to try
+                # another healthy worker at once, or the first to turn up (a restarted one)
+                wait = min(self.flow.migration.migration_wait, self._remaining())
+                if attempt == 2 or not self.flow.pool.wait_healthy("prefill", wait):
+                    raise ServiceUnavailableError(
                         f"prefill worker {self.prefill_address}: {exc.details()}"
+                        + ("" if attempt == 2 else f"; no other within {wait:.3g} s")
                     ) from exc
                 continue
             finally:

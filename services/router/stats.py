@@ -80,7 +80,8 @@ class RequestStats:
     migrations: int = 0
     """Times the stream moved to another decode worker."""
     migration: float = 0.0
-    """Seconds from each move's failure to the next token sent, summed."""
+    """Seconds from the last token sent before each move to the next token sent, summed (a
+    stall's wait for the watchdog included)."""
     migrating_since: float | None = None
 
     def on_started(self) -> None:
@@ -109,8 +110,8 @@ class RequestStats:
     def on_migrated(self, reason: str) -> None:
         """The stream's worker failed (`reason`, a MIGRATION_REASONS value): it moves on."""
         self.migrations += 1
-        if self.migrating_since is None:
-            self.migrating_since = time.monotonic()
+        if self.migrating_since is None:  # the pause the client saw: from its last token
+            self.migrating_since = self.last_token_at or time.monotonic()
         metrics.REQUEST_MIGRATIONS.labels(ROLE, reason).inc()
 
     def on_decode_started(self) -> None:

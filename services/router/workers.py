@@ -174,8 +174,11 @@ class WorkerPool:
         """A call found the worker down: skip it until its next health check passes."""
         metrics.WORKER_HEALTHY.labels("router", address).set(0)
         with self._lock:
+            new = address not in self.unhealthy
             self.unhealthy.add(address)
             self._marked_at[address] = time.monotonic()
+        if new:
+            logger.warning("worker %s is unhealthy (a call found it down)", address)
 
     def is_unhealthy(self, address: str) -> bool:
         return address in self.unhealthy
