@@ -46,12 +46,11 @@ def decode_failure(
     kv_source: str | None,
     kv_landed: bool,
     stalled: bool,
-    client_cancelled: bool,
 ) -> WorkerLost | None:
-    """Classifies an error of the Decode call to `address`: a WorkerLost when the request
-    should move (its decode worker failed, stalled, or its KV source `kv_source` died before
-    the KV landed), None when the error is the request's own (bad input, a full queue, its
-    deadline, its client's cancel) and ends it."""
+    """Classifies an error of the Decode call to `address` of a request that was not
+    cancelled: a WorkerLost when the request should move (its decode worker failed, stalled,
+    or its KV source `kv_source` died before the KV landed), None when the error is the
+    request's own (bad input, a full queue, its deadline) and ends it."""
     code, detail = exc.code(), exc.details() or ""
     if stalled:
         return WorkerLost("decode", address, "decode_stalled", "no token while unhealthy")
@@ -62,8 +61,8 @@ def decode_failure(
         if peer == kv_source and not kv_landed:
             return WorkerLost("prefill", peer, "kv_lost", detail)
         return None
-    if code == grpc.StatusCode.CANCELLED and not client_cancelled:
-        # Ended by the worker's side: its server stopped (SIGTERM past the drain), or the pool
-        # dropped its channel (it left the membership).
+    if code == grpc.StatusCode.CANCELLED:
+        # Not by this request (the caller checked), so by the worker's side: its server
+        # stopped (SIGTERM past the drain), or the pool dropped its channel (it left).
         return WorkerLost("decode", address, "decode_failed", detail or "call cancelled")
     return None

@@ -100,8 +100,9 @@ class RequestRun(PrefillCalls):
         self.kv_landed = False
         if resumed:
             self.engine_request_id = f"{prepared.request_id}-m{self.stats.migrations}"
-        path = self.flow.path_for(len(prepared.prompt_token_ids) + len(resumed))
-        if (self.stats.path if not resumed else path) == "local":  # no KV to ship
+        num_context = len(prepared.prompt_token_ids) + len(resumed)
+        path = self.flow.path_for(num_context) if resumed else self.stats.path
+        if path == "local":  # the decode worker prefills it: no KV to ship
             yield from self._decode(prepared, None, text, resumed)
             return
         prefill = self._prefill(prepared, resumed)
@@ -205,28 +206,28 @@ class RequestRun(PrefillCalls):
             cache_salt=prepared.cache_salt,
             output_token_ids=resumed,
         )
-        self.scope.check()
-        call = self.scope.track(
-            self.flow.pool.decode_stub(address).Decode(
-                message, timeout=self._remaining(), metadata=request_id.metadata()
+        try:  # decode_done on every path, a cancel before the call starts included
+            self.scope.check()
+            call = self.scope.track(
+                self.flow.pool.decode_stub(address).Decode(
+                    message, timeout=self._remaining(), metadata=request_id.metadata()
+                )
             )
-        )
-        try:
-            with self.flow.watchdog.watch(address, call) as watch:
-                yield from self._stream_decode(call, handle, text, address, watch)
-        except grpc.RpcError as exc:
-            if self.scope.cancelled:
-                raise self.scope.error() from exc
-            source = self._kv_source() if handle is not None else None
-            lost = decode_failure(
-                exc, address, source, self.kv_landed, watch.stalled, self.scope.cancelled
-            )
-            if lost is not None:
-                raise lost from exc
-            raise
+            try:
+                with self.flow.watchdog.watch(address, call) as watch:
+                    yield from self._stream_decode(call, handle, text, address, watch)
+            except grpc.RpcError as exc:
+                if self.scope.cancelled:
+                    raise self.scope.error() from exc
+                source = self._kv_source() if handle is not None else None
+                lost = decode_failure(exc, address, source, self.kv_landed, watch.stalled)
+                if lost is not None:
+                    raise lost from exc
+                raise
+            finally:
+                self.scope.untrack(call)
+                call.cancel()  # no-op once the stream has completed; frees the worker otherwise
         finally:
-            self.scope.untrack(call)
-            call.cancel()  # no-op once the stream has completed; frees the worker otherwise
             self.flow.routing.decode_done(address)
 
     def _stream_decode(

@@ -229,6 +229,8 @@ def test_cancel_before_decode_releases_the_prefill_kv(cluster, model_info, token
         _wait_until(lambda: prefill.released == [prefill.requests[0].request_id])
         and decode.requests == []
     )
+    # the decode worker it had picked is not left counting a stream that never started
+    assert router.flow.routing.in_flight[router.flow.pool.decode[0]] == 0
 
 
 def test_logprobs_follow_the_accepted_tokens(cluster, stub, tokenizer):
