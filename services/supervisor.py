@@ -132,9 +132,13 @@ class Supervisor:
     def _request_stop(self, signum: int, frame: object) -> None:
         self._stop_requested = True
 
-    def _start(self, spec: ChildSpec) -> Child:
+    def _start(self, spec: ChildSpec, replacing: Child | None = None) -> Child:
+        """Starts `spec`'s child, in `replacing`'s place when given."""
         child = Child(spec, self._env)
-        self.children.append(child)
+        if replacing is None:
+            self.children.append(child)
+        else:
+            self.children[self.children.index(replacing)] = child
         self._pipes.add(child)
         return child
 
@@ -199,9 +203,7 @@ class Supervisor:
         spec = dead.spec
         if dead.info is not None and spec.config is not None:  # the ports it bound (0 = any)
             spec = child_spec(spec.name, spec.role, bound_ports(spec.config, dead.info), spec.env)
-        child = Child(spec, self._env)
-        self.children[self.children.index(dead)] = child
-        self._pipes.add(child)
+        child = self._start(spec, replacing=dead)
         _say(f"{spec.name} restarted (pid {child.proc.pid})")
 
     def _drain(self, child: Child, limit: float = 1.0) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 
 from services.engine.block_hash import MAX_CACHE_SALT_BYTES
 from services.engine.config import EngineConfig, EngineRole
@@ -16,6 +17,16 @@ def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(field, f"token ids {bad[:5]} outside [0, {vocab_size})")
+
+
+def _integers(values: Iterable | None, field: str, message: str) -> list[int]:
+    """`values` as a list of ints; InvalidRequestError(`field`, `message`) for None or unless
+    every one is an integer (bools are not)."""
+    if values is None or not all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in values
+    ):
+        raise InvalidRequestError(field, message)
+    return [int(t) for t in values]
 
 
 def check_cache_salt(cache_salt: str | None) -> None:
@@ -57,22 +68,14 @@ class RequestChecker:
                     "prompt", "this model folder has no tokenizer; send token ids"
                 )
             return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
-        if prompt is None or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt
-        ):
-            raise InvalidRequestError("prompt_token_ids", "must be a string or a list of integers")
-        return [int(t) for t in prompt]
+        return _integers(prompt, "prompt_token_ids", "must be a string or a list of integers")
 
     def output_ids(self, output_token_ids: list[int] | None, params: SamplingParams) -> list[int]:
         """A checked copy of a migrated request's earlier outputs (empty for None): integers
         in the vocabulary, fewer than max_tokens."""
         if output_token_ids is None:
             return []
-        if not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in output_token_ids
-        ):
-            raise InvalidRequestError("output_token_ids", "must be a list of integers")
-        ids = [int(t) for t in output_token_ids]
+        ids = _integers(output_token_ids, "output_token_ids", "must be a list of integers")
         check_token_ids(ids, self.vocab_size, "output_token_ids")
         if isinstance(params, SamplingParams) and len(ids) >= params.max_tokens:
             raise InvalidRequestError(

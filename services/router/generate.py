@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 # grpc reports a huge time_remaining (not None) for a call without a deadline.
 NO_CLIENT_DEADLINE_S = 1e8
+SHUTTING_DOWN = "the router is shutting down"  # UNAVAILABLE: what a stopping router answers
 DEADLINE_SLACK_S = 0.25  # more than a loopback or LAN call's transit; less than any real deadline
 
 
@@ -88,7 +89,7 @@ class GenerateFlow:
         """Requests in flight."""
         return len(self._active)
 
-    def end_all(self, reason: str = "the router is shutting down") -> int:
+    def end_all(self, reason: str = SHUTTING_DOWN) -> int:
         """Ends every request in flight with UNAVAILABLE `reason` (not a client cancel: each
         is counted and reported as the server's doing); returns how many."""
         with self._lock:
@@ -141,7 +142,7 @@ class GenerateFlow:
         scope = scope if scope is not None else CancelScope()
         try:
             if self.stopping.is_set():
-                raise ServiceUnavailableError("the router is shutting down")
+                raise ServiceUnavailableError(SHUTTING_DOWN)
             ticket = self.admission.admit() if admit else None
         except Exception as exc:  # refused before any work: still counted under its code
             count_error(status_for(exc)[0])

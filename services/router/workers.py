@@ -189,7 +189,7 @@ class WorkerPool:
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                if [a for a in getattr(self, role) if a not in self.unhealthy]:
+                if any(a not in self.unhealthy for a in getattr(self, role)):
                     return True
             if time.monotonic() >= deadline or self._stop.wait(0.05):
                 return False
