@@ -19,6 +19,7 @@ from services.common.config import (
     _check,
     _is_number,
 )
+from services.common.kv_backends import KV_TRANSFER_BACKENDS
 from services.engine.config import EngineConfig
 from services.flags import flag
 from services.placement import PlacementPlan, format_cpus
@@ -27,7 +28,7 @@ W = TypeVar("W", bound=WorkerConfig)
 _WORKER_ONLY = ("role", "engine_id")  # set per worker, never a flag
 
 
-_POOL = ("engine", "host", "port", "metrics_port", "register_with")
+_POOL = ("engine", "host", "port", "metrics_port", "register_with", "kv_transfer_backend")
 PLACEMENTS = ("auto", "none")
 
 
@@ -54,6 +55,9 @@ class ClusterConfig:
         metadata=flag(prefix="decode-", exclude=(*_POOL, "drain_timeout")),
     )
     """Settings of each decode worker (flags --decode-*)."""
+    kv_transfer_backend: str = field(default="auto", metadata=flag(choices=KV_TRANSFER_BACKENDS))
+    """How prompt KV moves from prefill to decode workers (`WorkerConfig.kv_transfer_backend`):
+    "auto" takes shared memory here (one host), or one of grpc, shared_memory, torch_dist."""
     num_prefill: int = 1
     """Prefill workers (0 with --disaggregation never: the colocated mode)."""
     num_decode: int = 1
@@ -95,6 +99,13 @@ class ClusterConfig:
             f"expected one of {PLACEMENTS}",
             self.placement,
         )
+        ok = self.kv_transfer_backend in KV_TRANSFER_BACKENDS
+        _check(
+            ok,
+            "kv_transfer_backend",
+            f"expected one of {KV_TRANSFER_BACKENDS}",
+            self.kv_transfer_backend,
+        )
         self._check_derived()
 
     def _check_derived(self) -> None:
@@ -105,9 +116,12 @@ class ClusterConfig:
             worker = getattr(self, pool)
             if dataclasses.replace(worker.engine, engine_id="-") != anonymous:
                 raise ValueError(f"{pool}.engine: set by the cluster; set `engine` instead")
-            for name in ("host", "port", "metrics_port", "register_with"):
+            for name in ("host", "port", "metrics_port", "register_with", "kv_transfer_backend"):
                 if getattr(worker, name) != getattr(WorkerConfig, name):
-                    raise ValueError(f"{pool}.{name}: set by the cluster (router.host, free ports)")
+                    raise ValueError(
+                        f"{pool}.{name}: set by the cluster (router.host, free ports, "
+                        "kv_transfer_backend)"
+                    )
         if self.prefill.index != PrefixIndexConfig():
             raise ValueError("prefill.index: set by the cluster; set `index` instead")
         defaults = RouterConfig()
@@ -135,7 +149,12 @@ class ClusterConfig:
         engine_id = f"{worker.role.value}-{index}-{uuid.uuid4().hex[:12]}"
         engine = dataclasses.replace(self.engine, engine_id=engine_id)
         return dataclasses.replace(
-            worker, engine=engine, host=self.router.host, port=0, metrics_port=0
+            worker,
+            engine=engine,
+            host=self.router.host,
+            port=0,
+            metrics_port=0,
+            kv_transfer_backend=self.kv_transfer_backend,
         )
 
     def router_config(

@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 
 from services.common.http_config import HttpConfig
+from services.common.kv_backends import KV_TRANSFER_BACKENDS
 from services.common.migration_config import MigrationConfig
 from services.engine.config import DEFAULT_MODEL, EngineConfig, EngineRole
 from services.flags import flag
@@ -222,6 +223,10 @@ class WorkerConfig:
     register_with: tuple[str, ...] = ()
     """A router's HOST:PORT to join at start (Admin.RegisterWorker), renewing until a clean
     stop leaves it (repeat the flag for each router; default: the router lists this worker)."""
+    kv_transfer_backend: str = field(default="auto", metadata=flag(choices=KV_TRANSFER_BACKENDS))
+    """How prompt KV moves between workers: "auto" (shared memory between workers on one host,
+    torch.distributed between GPU workers of one node, gRPC otherwise), or one of them forced.
+    A prefill worker offers what it allows; a decode worker picks per prefill worker."""
 
     role: typing.ClassVar[EngineRole]
 
@@ -246,6 +251,12 @@ class WorkerConfig:
             "register_with",
             "must be a tuple of HOST:PORT",
             self.register_with,
+        )
+        _check(
+            self.kv_transfer_backend in KV_TRANSFER_BACKENDS,
+            "kv_transfer_backend",
+            f"must be one of {', '.join(KV_TRANSFER_BACKENDS)}",
+            self.kv_transfer_backend,
         )
 
     def engine_config(self) -> EngineConfig:

@@ -92,8 +92,8 @@ def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Maps exceptions from unary and server-streaming handlers to gRPC statuses, and binds each
-    call's request id (`x-request-id` metadata; `request_id.py`) while its handler runs, so the
+    """Maps exceptions from unary, server-streaming and bidi handlers to gRPC statuses, and binds
+    each call's request id (`x-request-id` metadata; `request_id.py`) while its handler runs, so the
     handler's log lines and the failure logged here carry it. `new_request_ids` (the router):
     a call without one gets a fresh id (the handler reads it from `request_id.current`)."""
 
@@ -113,6 +113,12 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(handler.unary_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.stream_stream:  # its request is the iterator of messages; wrapped alike
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_stream(handler.stream_stream),
                 handler.request_deserializer,
                 handler.response_serializer,
             )

@@ -8,6 +8,10 @@ blocks in chunks of at most 4 MiB of tensor bytes, renews the leases of every re
 wants from a background thread (every lease/3 seconds), and releases each request's pin with
 `ReleaseKV` once its KV has landed. Every call has a deadline: a stalled source fails the pull
 with DEADLINE_EXCEEDED after `timeout_s`, a dead one with UNAVAILABLE.
+
+gRPC is the control plane of every backend; the blocks themselves take the data path chosen at
+the handshake (`kv_backends/`): PullKV messages, the source's shared-memory segment on the same
+host, or a torch.distributed group between GPU workers of one node.
 """
 
 from __future__ import annotations
@@ -23,12 +27,11 @@ import torch
 from services.common import metrics
 from services.common.channels import ChannelCache, release_kv
 from services.common.convert import (
-    handle_to_proto,
-    layout_from_proto,
     peer_info_from_proto,
     peer_info_to_proto,
 )
-from services.common.kv_wire import chunk_tensor, decode_chunk
+from services.common.kv_backends.choice import DataPath, open_path
+from services.common.kv_backends.grpc_path import GrpcPath
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.engine.errors import (
     KVHandshakeError,
@@ -36,22 +39,22 @@ from services.engine.errors import (
     KVTransferError,
     RequestNotFoundError,
 )
-from services.engine.kv_cache import KVCacheSpec
 from services.engine.kv_transfer.base import KVReceiver, register_receiver
 from services.engine.kv_transfer.handle import KVHandle
 from services.engine.kv_transfer.handshake import KVPeerInfo, check_compatible
 from services.engine.kv_transfer.lease import DEFAULT_LEASE_S
+from services.engine.kv_transfer.shm_segment import sweep_dead_segments
 
 logger = logging.getLogger(__name__)
 
-PULL_KV_METHOD = "/pdserve.v1.KVTransfer/PullKV"
 HANDSHAKE_TIMEOUT_S = 5.0
 RENEW_TICK_S = 0.05
 
 
 @register_receiver("grpc")
 class GrpcKVReceiver(KVReceiver):
-    """The destination side over gRPC (the source side is the prefill worker's `KVSender`,
+    """The destination side: control over gRPC, blocks over the data path chosen per source
+    (`backend`) (the source side is the prefill worker's `KVSender`,
     served by `kv_transfer_service.KVTransferServicer`).
 
     `set_source(request_id, address)` tells the destination where a handle's blocks live;
@@ -68,20 +71,29 @@ class GrpcKVReceiver(KVReceiver):
         timeout_s: float = 30.0,
         zero_block: int | None = None,
         role: str = "decode",
+        backend: str | None = None,
+        device: str = "cpu",
     ) -> None:
-        """`engine_id`: the local engine's, sent in handshakes; `role`: the metrics label."""
+        """`engine_id`: the local engine's, sent in handshakes; `role`: the metrics label;
+        `backend`: the data path (`--kv-transfer-backend`: auto, grpc, shared_memory,
+        torch_dist; default the class's own); `device`: where the local KV cache lives."""
         self.engine_id = engine_id
+        self.backend = backend or self.default_backend
+        self.device = device
         self.role = role
         self.timeout_s = timeout_s
         self.zero_block = zero_block
         self._addresses: dict[str, str] = {}  # request_id -> source address, while wanted
         self._peers: dict[tuple[str, str], float] = {}  # (address, engine_id) -> its lease seconds
+        self._paths: dict[tuple[str, str], DataPath] = {}  # (address, engine_id) -> data path
         self._channels = ChannelCache()
         self._lock = threading.Lock()
         self.pull_seconds: dict[str, float] = {}  # request_id -> seconds its last pull took
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
         self.bytes_transferred = 0
+
+    default_backend = "grpc"
 
     # -- destination bookkeeping ---------------------------------------------------------------
 
@@ -101,8 +113,12 @@ class GrpcKVReceiver(KVReceiver):
             self.pull_seconds.pop(request_id, None)
 
     def close(self) -> None:
-        """Stop the lease renewals and close every channel."""
+        """Stop the lease renewals, drop every data path and close every channel."""
         self._stop.set()
+        with self._lock:
+            paths, self._paths = list(self._paths.values()), {}
+        for path in paths:
+            path.close()
         self._channels.close()
 
     def _channel(self, address: str) -> grpc.Channel:
@@ -151,8 +167,28 @@ class GrpcKVReceiver(KVReceiver):
             raise KVHandshakeError(str(exc)) from None
         if reply.engine_id != handle.engine_id:  # another process now listens at that address
             raise KVNotFoundError(f"{address} is engine {reply.engine_id}, not {handle.engine_id}")
+        path = open_path(self.backend, reply, self._channel(address), address, local.spec, self)
+        logger.info("KV from %s (%s) over %s", address, handle.engine_id, path.name)
         with self._lock:
             self._peers[(address, handle.engine_id)] = reply.lease_seconds or DEFAULT_LEASE_S
+            self._paths[(address, handle.engine_id)] = path
+
+    def _path(self, address: str, engine_id: str) -> DataPath:
+        """The data path the handshake chose; PullKV for a source not handshaken with."""
+        with self._lock:
+            path = self._paths.get((address, engine_id))
+        return path or GrpcPath(self._channel(address), address, self.timeout_s)
+
+    def _lost(self, address: str, engine_id: str) -> None:
+        """The source stopped answering: forget it (a restarted one handshakes afresh) and,
+        if it shared memory, remove the segments dead workers left."""
+        with self._lock:
+            self._peers.pop((address, engine_id), None)
+            path = self._paths.pop((address, engine_id), None)
+        if path is not None:
+            path.close()
+            if path.name == "shared_memory":
+                sweep_dead_segments()
 
     def _address(self, handle: KVHandle) -> str:
         address = self._addresses.get(handle.request_id)
@@ -200,7 +236,8 @@ class GrpcKVReceiver(KVReceiver):
         return False
 
     def pull(self, handle: KVHandle, first_block: int = 0) -> list[torch.Tensor]:
-        return [piece for _, piece in self.pull_chunks(handle, first_block)]
+        # Copies: a shared-memory piece is a view of the source's live cache.
+        return [piece.clone() for _, piece in self.pull_chunks(handle, first_block)]
 
     def pull_chunks(
         self,
@@ -208,18 +245,21 @@ class GrpcKVReceiver(KVReceiver):
         first_block: int = 0,
         on_call: Callable[[grpc.Call], object] | None = None,
     ) -> Iterator[tuple[int, torch.Tensor]]:
-        """(block offset from `first_block`, KV of the next blocks) as each chunk arrives: a
-        read-only view of the received message, [num_layers, 2, n, block_size, num_kv_heads,
-        head_dim]; together they cover the handle's blocks from `first_block` on, in order.
-        `on_call(call)` gets the PullKV call as it starts (to cancel it from elsewhere).
+        """(block offset from `first_block`, KV of the next blocks) as each chunk arrives,
+        [num_layers, 2, n, block_size, num_kv_heads, head_dim], read-only and valid only until
+        the next is asked for (a view of a received message, or of the source's shared-memory
+        cache while the pull holds its lease): copy each before the next. Together they cover
+        the handle's blocks from `first_block` on, in order. `on_call(call)` gets the pull's
+        call as it starts (something with `cancel()`, to cancel it from elsewhere).
         Raises KVTransferError (the stream failed, stalled past `timeout_s`, was cancelled or
         was malformed)."""
         if first_block >= len(handle.block_ids):
             return  # the destination's prefix cache holds every block
         address = self._address(handle)
         start, nbytes = time.perf_counter(), 0
+        path = self._path(address, handle.engine_id)
         try:
-            for offset, piece in self._stream(handle, address, first_block, on_call):
+            for offset, piece in path.stream(handle, first_block, on_call):
                 if (
                     self.zero_block is not None
                     and offset <= self.zero_block < offset + piece.shape[2]
@@ -229,62 +269,17 @@ class GrpcKVReceiver(KVReceiver):
                 nbytes += piece.numel() * piece.element_size()
                 yield offset, piece
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._lost(address, handle.engine_id)
             raise self._failure(handle.request_id, address, exc, "pulling KV") from None
+        except KVTransferError as exc:
+            if exc.reason == "unavailable":
+                self._lost(address, handle.engine_id)
+            raise
         self.bytes_transferred += nbytes
-        metrics.KV_TRANSFER_BYTES.labels(self.role, "grpc").inc(nbytes)
+        metrics.KV_TRANSFER_BYTES.labels(self.role, path.name).inc(nbytes)
         self.pull_seconds[handle.request_id] = time.perf_counter() - start
         metrics.KV_TRANSFER_TIME.labels(self.role).observe(self.pull_seconds[handle.request_id])
-
-    def _stream(
-        self,
-        handle: KVHandle,
-        address: str,
-        first_block: int,
-        on_call: Callable[[grpc.Call], object] | None,
-    ) -> Iterator[tuple[int, torch.Tensor]]:
-        """Decoded chunks, checked to cover the requested blocks in order. Raises grpc.RpcError,
-        KVTransferError."""
-        request = worker_pb2.PullKVRequest(
-            handle=handle_to_proto(handle, address), first_block=first_block
-        )
-        pull = self._channel(address).unary_stream(
-            PULL_KV_METHOD,
-            request_serializer=worker_pb2.PullKVRequest.SerializeToString,
-            response_deserializer=decode_chunk,
-        )
-        spec: KVCacheSpec | None = None
-        next_block = first_block
-        call = pull(request, timeout=self.timeout_s)
-        if on_call is not None:
-            on_call(call)
-        for header, data in call:
-            if spec is None:
-                if header.layout is None:
-                    raise KVTransferError(
-                        f"KV stream for {handle.request_id!r} has no layout", "failed"
-                    )
-                spec = layout_from_proto(header.layout)
-            if header.block_offset != next_block:
-                raise KVTransferError(
-                    f"KV stream for {handle.request_id!r}: block {header.block_offset} "
-                    f"where {next_block} was due",
-                    "failed",
-                )
-            shape = (
-                spec.num_layers,
-                2,
-                header.num_blocks,
-                spec.block_size,
-                spec.num_kv_heads,
-                spec.head_dim,
-            )
-            yield next_block - first_block, chunk_tensor(data, spec.dtype, shape)
-            next_block += header.num_blocks
-        if next_block != len(handle.block_ids):
-            raise KVNotFoundError(
-                f"KV stream for {handle.request_id!r} ended at block {next_block} of "
-                f"{len(handle.block_ids)}"
-            )
 
     def complete(self, handle: KVHandle) -> None:
         """Tell the source to unpin, without waiting (this runs on the engine thread); a lost
@@ -294,3 +289,17 @@ class GrpcKVReceiver(KVReceiver):
         if address is None:
             return
         release_kv(self._channels.get(address), handle.request_id, address)
+
+
+@register_receiver("shared_memory")
+class SharedMemoryKVReceiver(GrpcKVReceiver):
+    """A GrpcKVReceiver whose blocks come out of the source's shared-memory segment."""
+
+    default_backend = "shared_memory"
+
+
+@register_receiver("torch_dist")
+class TorchDistKVReceiver(GrpcKVReceiver):
+    """A GrpcKVReceiver whose blocks come through a torch.distributed group per source."""
+
+    default_backend = "torch_dist"

@@ -15,6 +15,8 @@ import grpc
 
 from services.common import metrics
 from services.common.convert import handle_from_proto, peer_info_from_proto, peer_info_to_proto
+from services.common.kv_backends.choice import node_id
+from services.common.kv_transfer_local import LocalKVPaths
 from services.common.kv_wire import encode_chunk
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.engine.errors import InvalidRequestError, KVHandshakeError
@@ -26,8 +28,14 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 4 * 1024 * 1024
 
 
-class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
-    """Prefill side: handshakes, streams pinned blocks, renews and releases leases.
+class KVTransferServicer(LocalKVPaths, worker_pb2_grpc.KVTransferServicer):
+    """Prefill side: handshakes, streams pinned blocks, renews and releases leases; on one node
+    also the shared-memory and torch.distributed paths (`kv_transfer_local.LocalKVPaths`).
+
+    `backends`: the data paths offered besides PullKV ("shared_memory" needs the sender to be a
+    `SharedMemoryKVSender` with a segment; "torch_dist" builds groups on the backend of
+    `device_type`, where the cache lives, their stores on `dist_host`, every group operation
+    bounded by `group_timeout_s`).
 
     `on_engine(fn)` runs fn on the engine's thread, now or soon, without waiting for it
     (EngineLoop.post): an RPC that frees a pin never holds a server thread while the engine
@@ -43,6 +51,10 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         peer_info: KVPeerInfo,
         chunk_bytes: int = CHUNK_BYTES,
         stall_s: float = 0.0,
+        backends: tuple[str, ...] = (),
+        device_type: str = "cpu",
+        dist_host: str = "127.0.0.1",
+        group_timeout_s: float = 30.0,
     ) -> None:
         self.sender = sender
         self.on_engine = on_engine
@@ -51,6 +63,13 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         self.block_bytes = peer_info.spec.bytes_per_block
         self.chunk_bytes = chunk_bytes
         self.stall_s = stall_s
+        segment = getattr(sender, "segment", None)
+        self.segment = segment if "shared_memory" in backends else None
+        self.backends = tuple(b for b in backends if b != "shared_memory" or self.segment)
+        self.device_type = device_type
+        self.dist_device = device_type if "torch_dist" in backends else None
+        self.dist_host, self.group_timeout_s = dist_host, group_timeout_s
+        self._groups = {}
 
     def Handshake(self, request, context):
         remote = peer_info_from_proto(request.model_id, request.layout)
@@ -69,6 +88,20 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
             model_id=model_id,
             layout=layout,
             lease_seconds=self.sender.leases.lease_s,
+            backends=self.backends,
+            shared_memory=self._segment_offer(),
+            device_type=self.device_type,
+            node_id=node_id(),
+        )
+
+    def _segment_offer(self) -> worker_pb2.SharedKVSegment | None:
+        if self.segment is None:
+            return None
+        return worker_pb2.SharedKVSegment(
+            name=self.segment.name,
+            token=self.segment.token,
+            nbytes=self.segment.nbytes,
+            num_blocks=self.segment.nbytes // self.block_bytes,
         )
 
     def PullKV(self, request, context):
@@ -147,6 +180,21 @@ def add_kv_transfer_servicer(servicer: KVTransferServicer, server: grpc.Server) 
             servicer.ReleaseKV,
             worker_pb2.ReleaseKVRequest.FromString,
             worker_pb2.ReleaseKVResponse.SerializeToString,
+        ),
+        "PullKVShared": grpc.stream_stream_rpc_method_handler(
+            servicer.PullKVShared,
+            worker_pb2.KVSharedPull.FromString,
+            worker_pb2.KVSharedGrant.SerializeToString,
+        ),
+        "OpenKVGroup": grpc.unary_stream_rpc_method_handler(
+            servicer.OpenKVGroup,
+            worker_pb2.KVGroupRequest.FromString,
+            worker_pb2.KVGroupInfo.SerializeToString,
+        ),
+        "SendKV": grpc.unary_stream_rpc_method_handler(
+            servicer.SendKV,
+            worker_pb2.SendKVRequest.FromString,
+            worker_pb2.SendKVStatus.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers(

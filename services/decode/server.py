@@ -207,7 +207,10 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
         engine_config.engine_id,
         timeout_s=engine_config.kv_transfer_timeout_s,
         zero_block=config.debug_zero_kv_block,
+        backend=config.kv_transfer_backend,
+        device=engine_config.device,
     )
+    logger.info("KV transfer: --kv-transfer-backend %s", config.kv_transfer_backend)
     engine = Engine(engine_config, kv_receiver=transfer)
     loop = EngineLoop(engine, "decode")
     decode = DecodeServicer(loop, transfer, config)

@@ -7,6 +7,7 @@ verbs plus the KV hand-off). Services wrap this class; it never imports grpc, ra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
 import uuid
@@ -57,6 +58,7 @@ class Engine:
         spec = self.model.kv_cache_spec(config.block_size, config.torch_dtype)
         num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_cache_memory_bytes)
         self.model_id = model_id(Path(self.model_path))
+        self.kv_sender = kv_sender or KVSender(config.kv_lease_seconds)
         self.kv_cache = KVCache(
             spec,
             num_blocks,
@@ -65,8 +67,8 @@ class Engine:
             seed=config.seed,
             model_id=self.model_id if config.enable_prefix_caching else None,
             record_events=config.enable_kv_events,
+            allocate=functools.partial(self.kv_sender.allocate_kv, config.engine_id),
         )
-        self.kv_sender = kv_sender or KVSender(config.kv_lease_seconds)
         self.kv_receiver = kv_receiver or InMemoryKVReceiver(self.kv_sender)
         self.scheduler = Scheduler(config, self.kv_cache)
         self.reservations = KVReservations(config, self.kv_cache, self.scheduler)

@@ -10,7 +10,7 @@ head_dim]. Token position `p` of a request lives in block `block_table[p // bloc
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,12 +77,15 @@ class KVCache:
         seed: int | None = 0,
         model_id: str | None = None,
         record_events: bool = False,
+        allocate: Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor] | None = None,
     ) -> None:
+        """`allocate(shape, dtype, device)` makes the zero-filled K/V tensor (default
+        `torch.zeros`; a shared-memory KV sender puts it in a segment decode workers map)."""
         self.spec = spec
         self.num_blocks = num_blocks
         self.model_id = model_id
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.kv = (allocate or _zeros)(shape, spec.dtype, device)
         self.pool = BlockPool(num_blocks, shuffle=shuffle, seed=seed, record_events=record_events)
 
     @property
@@ -192,7 +195,7 @@ class KVCache:
             array = _as_numpy(self.read_blocks(block_ids).cpu())
             runs = [(0, len(block_ids))]
         else:
-            array, runs = _as_numpy(self.kv), _runs(block_ids)
+            array, runs = _as_numpy(self.kv), block_runs(block_ids)
         return [
             # numpy's stubs give ndarray `__buffer__` only from Python 3.12; it has one on all.
             memoryview(array[layer, k, start : start + n])  # type: ignore[arg-type]
@@ -220,12 +223,16 @@ class KVCache:
             self.kv.index_copy_(2, index, data.to(device=self.kv.device, dtype=self.kv.dtype))
             return
         cache, source, offset = _as_numpy(self.kv), _as_numpy(data), 0
-        for start, n in _runs(block_ids):
+        for start, n in block_runs(block_ids):
             np.copyto(cache[:, :, start : start + n], source[:, :, offset : offset + n])
             offset += n
 
 
-def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     """Runs of consecutive ids as (first id, count), in order."""
     runs: list[tuple[int, int]] = []
     for block_id in block_ids:

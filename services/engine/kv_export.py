@@ -82,6 +82,10 @@ class KVExport(KVSource):
             )
         return self.kv_cache.block_buffers(list(handle.block_ids[first_block:last_block]))
 
+    def pinned_blocks(self, handle: KVHandle, first_block: int = 0) -> tuple[int, ...]:
+        self._pinned_request(handle, first_block)
+        return handle.block_ids[first_block:]
+
     def release_kv(self, request_id: str) -> None:
         request = self.pinned.pop(request_id, None)
         if request is not None:

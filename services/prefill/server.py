@@ -33,6 +33,7 @@ from services.common.worker import (
 from services.engine import Engine
 from services.engine.errors import InvalidRequestError
 from services.engine.kv_transfer.sender import KVSender
+from services.engine.kv_transfer.shared_memory import SharedMemoryKVSender
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,15 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     `serve`, the tests and the Ray deployment call): its engine has warmed up and its health
     says SERVING (NOT_SERVING until then). Raises ValueError naming a bad field, OSError naming
     the port that cannot be bound, and what `RunningWorker.warm_up_and_serve` raises."""
-    sender = KVSender(config.engine.kv_lease_seconds)
+    backend, device = config.kv_transfer_backend, config.engine.device.split(":")[0]
+    sender = (
+        SharedMemoryKVSender(config.engine.kv_lease_seconds)
+        if backend in ("auto", "shared_memory") and device == "cpu"
+        else KVSender(config.engine.kv_lease_seconds)
+    )
     engine = Engine(config.engine_config(), kv_sender=sender)
+    offered = offered_backends(backend, sender)
+    logger.info("KV transfer: --kv-transfer-backend %s, serving %s", backend, offered)
     loop = EngineLoop(engine, "prefill")
 
     def expire_leases() -> None:  # nobody renewed them: the decode worker (or router) is gone
@@ -103,7 +111,13 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     prefill = PrefillServicer(loop, config)
     admin = AdminServicer(loop, config)
     kv = KVTransferServicer(
-        sender, loop.post, engine.kv_peer_info, stall_s=config.debug_kv_stall_seconds
+        sender,
+        loop.post,
+        engine.kv_peer_info,
+        stall_s=config.debug_kv_stall_seconds,
+        backends=offered[1:],
+        device_type=device,
+        dist_host=config.host if config.host not in ("", "0.0.0.0", "::") else "127.0.0.1",
     )
     service = start_service(
         "prefill",
@@ -126,6 +140,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
         if publisher is not None:
             publisher.stop()
         loop.stop()
+        kv.close_groups()
         sender.close()
 
     def drained() -> bool:  # nothing running, nothing pinned for a decode worker to pull
@@ -135,6 +150,20 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     worker.warm_up_and_serve()
     worker.join_routers(config.register_with)
     return worker
+
+
+def offered_backends(backend: str, sender: KVSender) -> tuple[str, ...]:
+    """The data paths a prefill worker serves under `--kv-transfer-backend backend`: gRPC
+    always (the fallback), shared memory when its cache is in a segment, torch.distributed.
+    Raises ValueError naming the flag when a forced one cannot be served."""
+    shared = getattr(sender, "segment", None) is not None
+    if backend == "shared_memory" and not shared:
+        raise ValueError(
+            "kv_transfer_backend: shared_memory needs the KV cache in /dev/shm on the CPU "
+            "(see the warning above for why it is not)"
+        )
+    wanted = {"auto": ("shared_memory", "torch_dist"), "grpc": ()}.get(backend, (backend,))
+    return ("grpc", *(b for b in wanted if b != "shared_memory" or shared))
 
 
 def _start_publisher(

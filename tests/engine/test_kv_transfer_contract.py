@@ -5,6 +5,7 @@ handshake refusal, dead peer."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +23,10 @@ from services.engine.kv_transfer.handle import KVHandle
 from services.engine.kv_transfer.in_memory import InMemoryKVReceiver
 from services.engine.kv_transfer.lease import TransferStatus
 from services.engine.kv_transfer.sender import KVSender
+from services.engine.kv_transfer.shared_memory import SharedMemoryKVSender
+from services.engine.kv_transfer.shm_segment import count_segments
 from tests.engine.helpers import GREEDY, make_engine
+from tests.engine.remote_receiver import ProcessReceiver
 from tests.engine.test_kv_lease import FakeClock
 
 LEASE_S = 5.0
@@ -32,12 +36,14 @@ LEASE_S = 5.0
 class Backend:
     """One backend's two ends around a PREFILL engine, and how to drive them."""
 
+    name: str
     prefill: object  # the PREFILL Engine whose sender publishes
     sender: KVSender
     receiver: KVReceiver
     clock: FakeClock  # the sender's lease clock
     want: Callable[[KVHandle], None]  # tell the receiver where a handle's KV lives
     kill: Callable[[], None]  # the source side dies
+    address: str = ""  # the source's KVTransfer service, if it has one
 
     def publish(self, request_id: str, num_tokens: int = 37) -> KVHandle:
         prompt = list(range(3, 3 + num_tokens))
@@ -49,14 +55,22 @@ class Backend:
         return out.kv_handle
 
 
-def _in_memory(prefill, sender) -> Iterator[tuple[KVReceiver, Callable, Callable]]:
-    yield InMemoryKVReceiver(sender), lambda handle: None, sender.close
+Ends = Iterator[tuple[KVReceiver, Callable, Callable, str]]
 
 
-def _grpc(prefill, sender) -> Iterator[tuple[KVReceiver, Callable, Callable]]:
+def _in_memory(name, prefill, sender) -> Ends:
+    yield InMemoryKVReceiver(sender), lambda handle: None, sender.close, ""
+
+
+def _service(prefill, sender):
     block_bytes = prefill.kv_cache.spec.bytes_per_block
     servicer = KVTransferServicer(
-        sender, lambda fn: fn(), prefill.kv_peer_info, chunk_bytes=3 * block_bytes
+        sender,
+        lambda fn: fn(),
+        prefill.kv_peer_info,
+        chunk_bytes=3 * block_bytes,
+        backends=("shared_memory", "torch_dist"),
+        group_timeout_s=5,
     )
     service = start_service(
         "prefill",
@@ -65,36 +79,98 @@ def _grpc(prefill, sender) -> Iterator[tuple[KVReceiver, Callable, Callable]]:
         0,
         0,
     )
+    return servicer, service
+
+
+def _grpc(name, prefill, sender) -> Ends:
+    """Both ends in this process (the gRPC path is also in `_remote`'s two-process runs)."""
+    _, service = _service(prefill, sender)
     receiver = GrpcKVReceiver(timeout_s=5)
     try:
         yield (
             receiver,
             lambda h: receiver.set_source(h.request_id, service.grpc_address),
             lambda: service.server.stop(0).wait(),
+            service.grpc_address,
         )
     finally:
         receiver.close()
         service.server.stop(0)
 
 
-BACKENDS = {"in_memory": _in_memory, "grpc": _grpc}
+_CHILDREN: dict[str, ProcessReceiver] = {}
+
+
+def _remote(name, prefill, sender) -> Ends:
+    """The receiver in a second process (one per backend, kept across tests while it lives),
+    the source here."""
+    servicer, service = _service(prefill, sender)
+    receiver = _CHILDREN.get(name)
+    if receiver is None or not receiver.process.is_alive():
+        receiver = _CHILDREN[name] = ProcessReceiver()
+    backend = name.removeprefix("remote_")
+    receiver.renew(backend, prefill.kv_peer_info, engine_id="decode-under-test", timeout_s=5)
+
+    def kill() -> None:
+        service.server.stop(0).wait()
+        servicer.close_groups()
+
+    try:
+        yield (
+            receiver,
+            lambda h: receiver.set_source(h.request_id, service.grpc_address),
+            kill,
+            service.grpc_address,
+        )
+    finally:
+        servicer.close_groups()
+        service.server.stop(0)
+
+
+BACKENDS = {
+    "in_memory": _in_memory,
+    "grpc": _grpc,
+    "remote_grpc": _remote,
+    "remote_shared_memory": _remote,
+    "remote_torch_dist": _remote,
+}
 
 
 def test_every_registered_receiver_runs_the_contract():
-    assert set(RECEIVERS) == set(BACKENDS)
+    assert set(RECEIVERS) <= set(BACKENDS) | {n.removeprefix("remote_") for n in BACKENDS}
+    assert {n.removeprefix("remote_") for n in BACKENDS if n.startswith("remote_")} == set(
+        RECEIVERS
+    ) - {"in_memory"}
+
+
+@contextlib.contextmanager
+def _backend(name: str, model: str, **engine) -> Iterator[Backend]:
+    clock = FakeClock()
+    shared = name == "remote_shared_memory"
+    sender = (SharedMemoryKVSender if shared else KVSender)(LEASE_S, clock)
+    prefill = make_engine(
+        model, role=EngineRole.PREFILL, num_blocks=128, block_size=4, kv_sender=sender, **engine
+    )
+    ends = BACKENDS[name](name, prefill, sender)
+    receiver, want, kill, address = next(ends)
+    try:
+        yield Backend(name, prefill, sender, receiver, clock, want, kill, address)
+    finally:
+        ends.close()
+        sender.close()
 
 
 @pytest.fixture(params=sorted(BACKENDS))
 def backend(request, tiny_llama) -> Iterator[Backend]:
-    clock = FakeClock()
-    sender = KVSender(LEASE_S, clock)
-    prefill = make_engine(
-        tiny_llama, role=EngineRole.PREFILL, num_blocks=128, block_size=4, kv_sender=sender
-    )
-    ends = BACKENDS[request.param](prefill, sender)
-    receiver, want, kill = next(ends)
-    yield Backend(prefill, sender, receiver, clock, want, kill)
-    ends.close()
+    with _backend(request.param, tiny_llama) as backend:
+        yield backend
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_children():
+    yield
+    for child in _CHILDREN.values():
+        child.close()
 
 
 def _wait_for(condition, timeout: float = 10.0) -> None:
@@ -112,6 +188,9 @@ def test_publish_pull_complete_frees_the_pin(backend):
     backend.receiver.connect(handle, backend.prefill.kv_peer_info)
     pieces = backend.receiver.pull(handle)
     assert torch.equal(torch.cat(pieces, dim=2), backend.prefill.export.read_kv(handle))
+    if isinstance(backend.receiver, ProcessReceiver):  # the pull took the backend's own path
+        path = backend.receiver.path_name(backend.address, handle.engine_id)
+        assert path == backend.name.removeprefix("remote_")
     backend.receiver.complete(handle)
     _wait_for(lambda: backend.sender.status("r") == TransferStatus.COMPLETED)
     assert backend.prefill.num_pinned_blocks == 0
@@ -169,3 +248,38 @@ def test_a_dead_source_is_unavailable_not_a_hang(backend):
         backend.receiver.pull(handle)
     assert failure.value.reason == "unavailable"
     assert time.monotonic() - start < 5
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["remote_grpc", "remote_shared_memory", "remote_torch_dist"])
+def test_bytes_round_trip_exactly_in_every_dtype_between_two_processes(name, dtype, tiny_llama):
+    with _backend(name, tiny_llama, dtype=dtype) as backend:
+        handle = backend.publish("r", num_tokens=23)
+        want = backend.prefill.export.read_kv(handle)
+        assert want.dtype == getattr(torch, dtype)
+        got = torch.cat(backend.receiver.pull(handle), dim=2)
+        assert got.dtype == want.dtype and torch.equal(_bytes(got), _bytes(want))
+        got = torch.cat(backend.receiver.pull(handle, 2), dim=2)
+        assert torch.equal(_bytes(got), _bytes(want[:, :, 2:]))
+
+
+@pytest.mark.parametrize("name", ["remote_shared_memory", "remote_torch_dist"])
+def test_a_sigkilled_destination_leaves_no_pin_or_segment(name, tiny_llama):
+    """The receiving process dies (SIGKILL) holding a pull: the source's pull ends with its
+    call, the lease frees the pin, and the source's segment goes with its close."""
+    before = count_segments()
+    with _backend(name, tiny_llama) as backend:
+        assert count_segments() == before + (name == "remote_shared_memory")
+        handle = backend.publish("r")
+        backend.receiver.hold(handle)
+        backend.receiver.kill()
+        _wait_for(lambda: backend.sender.status("r") == TransferStatus.PUBLISHED)
+        backend.clock.now += LEASE_S + 1
+        assert backend.sender.expire_leases() == ["r"]
+        assert backend.prefill.num_pinned_blocks == 0
+        backend.prefill.check_integrity()
+    assert count_segments() == before

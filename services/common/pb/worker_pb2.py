@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"s\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12$\n\x04info\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"7\n\nWorkerList\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\"\x9a\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\"\xe5\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x07 \x01(\x01\"\xc2\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x05\"\xce\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x07 \x01(\x01\"h\n\x15RegisterWorkerRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x03 \x01(\t\x12\r\n\x05leave\x18\x04 \x01(\x08\x12\x0c\n\x04name\x18\x05 \x01(\t\"-\n\x16RegisterWorkerResponse\x12\x13\n\x0bttl_seconds\x18\x01 \x01(\x01\"\x19\n\x17ResetPrefixCacheRequest\"K\n\x18ResetPrefixCacheResponse\x12\x13\n\x0bnum_workers\x18\x01 \x01(\x05\x12\x1a\n\x12num_hashes_dropped\x18\x02 \x01(\x03\"_\n\x12KVHandshakeRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x11\n\tengine_id\x18\x03 \x01(\t\"w\n\x13KVHandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\"*\n\x13RenewKVLeaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\'\n\x14RenewKVLeaseResponse\x12\x0f\n\x07renewed\x18\x01 \x03(\x08\"J\n\rPullKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\"g\n\x07KVChunk\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x62lock_offset\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x89\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\x87\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\xbb\x02\n\x05\x41\x64min\x12]\n\x10ResetPrefixCache\x12#.pdserve.v1.ResetPrefixCacheRequest\x1a$.pdserve.v1.ResetPrefixCacheResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12>\n\x0bListWorkers\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerList\x12W\n\x0eRegisterWorker\x12!.pdserve.v1.RegisterWorkerRequest\x1a\".pdserve.v1.RegisterWorkerResponse2\xb3\x02\n\nKVTransfer\x12L\n\tHandshake\x12\x1e.pdserve.v1.KVHandshakeRequest\x1a\x1f.pdserve.v1.KVHandshakeResponse\x12:\n\x06PullKV\x12\x19.pdserve.v1.PullKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12Q\n\x0cRenewKVLease\x12\x1f.pdserve.v1.RenewKVLeaseRequest\x1a .pdserve.v1.RenewKVLeaseResponse\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"s\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12$\n\x04info\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"7\n\nWorkerList\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\"\x9a\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\"\xe5\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x07 \x01(\x01\"\xc2\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x18\n\x10output_token_ids\x18\x06 \x03(\x05\"\xce\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x07 \x01(\x01\"h\n\x15RegisterWorkerRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x03 \x01(\t\x12\r\n\x05leave\x18\x04 \x01(\x08\x12\x0c\n\x04name\x18\x05 \x01(\t\"-\n\x16RegisterWorkerResponse\x12\x13\n\x0bttl_seconds\x18\x01 \x01(\x01\"\x19\n\x17ResetPrefixCacheRequest\"K\n\x18ResetPrefixCacheResponse\x12\x13\n\x0bnum_workers\x18\x01 \x01(\x05\x12\x1a\n\x12num_hashes_dropped\x18\x02 \x01(\x03\"R\n\x0fSharedKVSegment\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\"G\n\x0cKVSharedPull\x12\'\n\x04pull\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.PullKVRequest\x12\x0e\n\x06\x63opied\x18\x02 \x01(\x08\"0\n\rKVSharedGrant\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\"#\n\x0eKVGroupRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"U\n\x0bKVGroupInfo\x12\x12\n\nstore_host\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\x05\x12\r\n\x05group\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\"T\n\rSendKVRequest\x12\'\n\x04pull\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.PullKVRequest\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0b\n\x03tag\x18\x03 \x01(\x03\"\x1c\n\x0cSendKVStatus\x12\x0c\n\x04sent\x18\x01 \x01(\x08\"_\n\x12KVHandshakeRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x11\n\tengine_id\x18\x03 \x01(\t\"\xe3\x01\n\x13KVHandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x10\n\x08\x62\x61\x63kends\x18\x05 \x03(\t\x12\x32\n\rshared_memory\x18\x06 \x01(\x0b\x32\x1b.pdserve.v1.SharedKVSegment\x12\x13\n\x0b\x64\x65vice_type\x18\x07 \x01(\t\x12\x0f\n\x07node_id\x18\x08 \x01(\t\"*\n\x13RenewKVLeaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\'\n\x14RenewKVLeaseResponse\x12\x0f\n\x07renewed\x18\x01 \x03(\x08\"J\n\rPullKVRequest\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\"g\n\x07KVChunk\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0c\x62lock_offset\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x89\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\x87\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\xbb\x02\n\x05\x41\x64min\x12]\n\x10ResetPrefixCache\x12#.pdserve.v1.ResetPrefixCacheRequest\x1a$.pdserve.v1.ResetPrefixCacheResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12>\n\x0bListWorkers\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerList\x12W\n\x0eRegisterWorker\x12!.pdserve.v1.RegisterWorkerRequest\x1a\".pdserve.v1.RegisterWorkerResponse2\x83\x04\n\nKVTransfer\x12L\n\tHandshake\x12\x1e.pdserve.v1.KVHandshakeRequest\x1a\x1f.pdserve.v1.KVHandshakeResponse\x12:\n\x06PullKV\x12\x19.pdserve.v1.PullKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12Q\n\x0cRenewKVLease\x12\x1f.pdserve.v1.RenewKVLeaseRequest\x1a .pdserve.v1.RenewKVLeaseResponse\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse\x12G\n\x0cPullKVShared\x12\x18.pdserve.v1.KVSharedPull\x1a\x19.pdserve.v1.KVSharedGrant(\x01\x30\x01\x12\x44\n\x0bOpenKVGroup\x12\x1a.pdserve.v1.KVGroupRequest\x1a\x17.pdserve.v1.KVGroupInfo0\x01\x12?\n\x06SendKV\x12\x19.pdserve.v1.SendKVRequest\x1a\x18.pdserve.v1.SendKVStatus0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,28 +52,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1211
   _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1213
   _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1288
-  _globals['_KVHANDSHAKEREQUEST']._serialized_start=1290
-  _globals['_KVHANDSHAKEREQUEST']._serialized_end=1385
-  _globals['_KVHANDSHAKERESPONSE']._serialized_start=1387
-  _globals['_KVHANDSHAKERESPONSE']._serialized_end=1506
-  _globals['_RENEWKVLEASEREQUEST']._serialized_start=1508
-  _globals['_RENEWKVLEASEREQUEST']._serialized_end=1550
-  _globals['_RENEWKVLEASERESPONSE']._serialized_start=1552
-  _globals['_RENEWKVLEASERESPONSE']._serialized_end=1591
-  _globals['_PULLKVREQUEST']._serialized_start=1593
-  _globals['_PULLKVREQUEST']._serialized_end=1667
-  _globals['_KVCHUNK']._serialized_start=1669
-  _globals['_KVCHUNK']._serialized_end=1772
-  _globals['_RELEASEKVREQUEST']._serialized_start=1774
-  _globals['_RELEASEKVREQUEST']._serialized_end=1812
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1814
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1851
-  _globals['_PREFILL']._serialized_start=1854
-  _globals['_PREFILL']._serialized_end=1991
-  _globals['_DECODE']._serialized_start=1994
-  _globals['_DECODE']._serialized_end=2129
-  _globals['_ADMIN']._serialized_start=2132
-  _globals['_ADMIN']._serialized_end=2447
-  _globals['_KVTRANSFER']._serialized_start=2450
-  _globals['_KVTRANSFER']._serialized_end=2757
+  _globals['_SHAREDKVSEGMENT']._serialized_start=1290
+  _globals['_SHAREDKVSEGMENT']._serialized_end=1372
+  _globals['_KVSHAREDPULL']._serialized_start=1374
+  _globals['_KVSHAREDPULL']._serialized_end=1445
+  _globals['_KVSHAREDGRANT']._serialized_start=1447
+  _globals['_KVSHAREDGRANT']._serialized_end=1495
+  _globals['_KVGROUPREQUEST']._serialized_start=1497
+  _globals['_KVGROUPREQUEST']._serialized_end=1532
+  _globals['_KVGROUPINFO']._serialized_start=1534
+  _globals['_KVGROUPINFO']._serialized_end=1619
+  _globals['_SENDKVREQUEST']._serialized_start=1621
+  _globals['_SENDKVREQUEST']._serialized_end=1705
+  _globals['_SENDKVSTATUS']._serialized_start=1707
+  _globals['_SENDKVSTATUS']._serialized_end=1735
+  _globals['_KVHANDSHAKEREQUEST']._serialized_start=1737
+  _globals['_KVHANDSHAKEREQUEST']._serialized_end=1832
+  _globals['_KVHANDSHAKERESPONSE']._serialized_start=1835
+  _globals['_KVHANDSHAKERESPONSE']._serialized_end=2062
+  _globals['_RENEWKVLEASEREQUEST']._serialized_start=2064
+  _globals['_RENEWKVLEASEREQUEST']._serialized_end=2106
+  _globals['_RENEWKVLEASERESPONSE']._serialized_start=2108
+  _globals['_RENEWKVLEASERESPONSE']._serialized_end=2147
+  _globals['_PULLKVREQUEST']._serialized_start=2149
+  _globals['_PULLKVREQUEST']._serialized_end=2223
+  _globals['_KVCHUNK']._serialized_start=2225
+  _globals['_KVCHUNK']._serialized_end=2328
+  _globals['_RELEASEKVREQUEST']._serialized_start=2330
+  _globals['_RELEASEKVREQUEST']._serialized_end=2368
+  _globals['_RELEASEKVRESPONSE']._serialized_start=2370
+  _globals['_RELEASEKVRESPONSE']._serialized_end=2407
+  _globals['_PREFILL']._serialized_start=2410
+  _globals['_PREFILL']._serialized_end=2547
+  _globals['_DECODE']._serialized_start=2550
+  _globals['_DECODE']._serialized_end=2685
+  _globals['_ADMIN']._serialized_start=2688
+  _globals['_ADMIN']._serialized_end=3003
+  _globals['_KVTRANSFER']._serialized_start=3006
+  _globals['_KVTRANSFER']._serialized_end=3521
 # @@protoc_insertion_point(module_scope)

@@ -125,6 +125,68 @@ class ResetPrefixCacheResponse(_message.Message):
     num_hashes_dropped: int
     def __init__(self, num_workers: _Optional[int] = ..., num_hashes_dropped: _Optional[int] = ...) -> None: ...
 
+class SharedKVSegment(_message.Message):
+    __slots__ = ("name", "token", "nbytes", "num_blocks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    token: bytes
+    nbytes: int
+    num_blocks: int
+    def __init__(self, name: _Optional[str] = ..., token: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class KVSharedPull(_message.Message):
+    __slots__ = ("pull", "copied")
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    COPIED_FIELD_NUMBER: _ClassVar[int]
+    pull: PullKVRequest
+    copied: bool
+    def __init__(self, pull: _Optional[_Union[PullKVRequest, _Mapping]] = ..., copied: _Optional[bool] = ...) -> None: ...
+
+class KVSharedGrant(_message.Message):
+    __slots__ = ("block_ids", "done")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    done: bool
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class KVGroupRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class KVGroupInfo(_message.Message):
+    __slots__ = ("store_host", "store_port", "group", "backend")
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    store_host: str
+    store_port: int
+    group: str
+    backend: str
+    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., group: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class SendKVRequest(_message.Message):
+    __slots__ = ("pull", "group", "tag")
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    pull: PullKVRequest
+    group: str
+    tag: int
+    def __init__(self, pull: _Optional[_Union[PullKVRequest, _Mapping]] = ..., group: _Optional[str] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class SendKVStatus(_message.Message):
+    __slots__ = ("sent",)
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    sent: bool
+    def __init__(self, sent: _Optional[bool] = ...) -> None: ...
+
 class KVHandshakeRequest(_message.Message):
     __slots__ = ("model_id", "layout", "engine_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -136,16 +198,24 @@ class KVHandshakeRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class KVHandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "model_id", "layout", "lease_seconds")
+    __slots__ = ("engine_id", "model_id", "layout", "lease_seconds", "backends", "shared_memory", "device_type", "node_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model_id: str
     layout: _common_pb2.KVLayout
     lease_seconds: float
-    def __init__(self, engine_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    backends: _containers.RepeatedScalarFieldContainer[str]
+    shared_memory: SharedKVSegment
+    device_type: str
+    node_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., backends: _Optional[_Iterable[str]] = ..., shared_memory: _Optional[_Union[SharedKVSegment, _Mapping]] = ..., device_type: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class RenewKVLeaseRequest(_message.Message):
     __slots__ = ("request_ids",)

@@ -512,6 +512,21 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
+        self.PullKVShared = channel.stream_stream(
+                '/pdserve.v1.KVTransfer/PullKVShared',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KVSharedPull.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KVSharedGrant.FromString,
+                _registered_method=True)
+        self.OpenKVGroup = channel.unary_stream(
+                '/pdserve.v1.KVTransfer/OpenKVGroup',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KVGroupRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KVGroupInfo.FromString,
+                _registered_method=True)
+        self.SendKV = channel.unary_stream(
+                '/pdserve.v1.KVTransfer/SendKV',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SendKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.SendKVStatus.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -549,6 +564,34 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKVShared(self, request_iterator, context):
+        """Same host (the handshake offered a shared-memory segment): the caller sends a pull, gets
+        the pinned block ids, copies them out of the mapped segment and sends `copied`; the pull
+        holds the lease until then (at most the caller's deadline). The last answer says whether
+        the copy is good (done = true), else the blocks may have been freed meanwhile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenKVGroup(self, request, context):
+        """torch.distributed: the process group of this source and the caller (rank 1). The first
+        message says where the group's store listens; the call stays open for the group's
+        lifetime, and either side ending it tears the group down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SendKV(self, request, context):
+        """Sends the handle's blocks through the caller's group, as one tensor [num_layers, 2, n,
+        block_size, num_kv_heads, head_dim]: answers sent = false once the pull holds the lease
+        (the caller posts its receive), then sent = true when the send completed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -571,6 +614,21 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.ReleaseKV,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVResponse.SerializeToString,
+            ),
+            'PullKVShared': grpc.stream_stream_rpc_method_handler(
+                    servicer.PullKVShared,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KVSharedPull.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KVSharedGrant.SerializeToString,
+            ),
+            'OpenKVGroup': grpc.unary_stream_rpc_method_handler(
+                    servicer.OpenKVGroup,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KVGroupRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KVGroupInfo.SerializeToString,
+            ),
+            'SendKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.SendKV,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SendKVRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.SendKVStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -683,6 +741,87 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/ReleaseKV',
             pdserve_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKVShared(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.KVTransfer/PullKVShared',
+            pdserve_dot_v1_dot_worker__pb2.KVSharedPull.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KVSharedGrant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenKVGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/OpenKVGroup',
+            pdserve_dot_v1_dot_worker__pb2.KVGroupRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KVGroupInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/SendKV',
+            pdserve_dot_v1_dot_worker__pb2.SendKVRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.SendKVStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,12 @@ class KVSource(ABC):
         keeps the blocks from being freed). Raises as `read_kv`."""
 
     @abstractmethod
+    def pinned_blocks(self, handle: KVHandle, first_block: int = 0) -> tuple[int, ...]:
+        """The handle's block ids from `first_block` on, once checked to be a pinned request's
+        own (for a receiver that reads them in place, under a pull on the lease). Raises as
+        `read_kv`."""
+
+    @abstractmethod
     def release_kv(self, request_id: str) -> None:
         """Unpin the request's blocks; a second call for the same request does nothing."""
 

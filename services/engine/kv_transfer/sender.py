@@ -39,6 +39,14 @@ class KVSender:
         self._owner: dict[str, str] = {}  # request_id -> engine_id of the source that published it
         self._closed = False
 
+    def allocate_kv(
+        self, engine_id: str, shape: tuple[int, ...], dtype: torch.dtype, device: str
+    ) -> torch.Tensor:
+        """The zero-filled K/V tensor of source engine `engine_id`'s cache (`KVCache`'s
+        allocator): plain memory here; a backend whose receivers read the cache in place
+        (shared memory) puts it where they can map it."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def register_source(self, engine_id: str, source: KVSource) -> None:
         """Make `source`'s handles pullable under `engine_id`."""
         self._sources[engine_id] = source

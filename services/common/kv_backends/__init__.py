@@ -1,0 +1,14 @@
+"""The data paths a decode worker's KV receiver pulls blocks over, one per backend, all behind
+the same gRPC control plane (handshake, leases, release: `kv_transfer_grpc.py`):
+
+- `grpc_path`: the blocks stream as PullKV messages (any two hosts);
+- `shm_path`: copied in place out of the source's shared-memory segment (same host, CPU);
+- `dist_path`: sent through a torch.distributed process group per prefill/decode pair (NCCL
+  between GPUs, which takes NVLink where the GPUs have it; gloo between CPU processes).
+
+`choose` picks one per source from what its handshake offers and `--kv-transfer-backend`.
+"""
+
+KV_TRANSFER_BACKENDS = ("auto", "grpc", "shared_memory", "torch_dist")
+"""Values of `--kv-transfer-backend`: "auto" takes shared memory on one host, torch.distributed
+between GPU workers of one node, gRPC otherwise."""

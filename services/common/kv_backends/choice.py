@@ -1,0 +1,129 @@
+"""Which data path a decode worker takes to a source: `choose`, from what the source's handshake
+offers, where both caches live, and `--kv-transfer-backend`."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import grpc
+import torch
+
+from services.common.kv_backends.dist_path import TorchDistPath
+from services.common.kv_backends.grpc_path import GrpcPath
+from services.common.kv_backends.shm_path import SharedMemoryPath
+from services.common.pb import worker_pb2
+from services.engine.errors import KVHandshakeError, KVTransferError
+from services.engine.kv_cache import KVCacheSpec
+from services.engine.kv_transfer.handle import KVHandle
+from services.engine.kv_transfer.shm_segment import SharedSegment
+
+if TYPE_CHECKING:
+    from services.common.kv_transfer_grpc import GrpcKVReceiver
+
+logger = logging.getLogger(__name__)
+
+
+class DataPath(Protocol):
+    """How one source's blocks reach this worker (`GrpcPath`, `SharedMemoryPath`,
+    `TorchDistPath`): `stream` yields (block offset from `first_block`, piece) in order."""
+
+    name: str
+
+    def stream(
+        self, handle: KVHandle, first_block: int, on_call: Callable[..., object] | None
+    ) -> Iterator[tuple[int, torch.Tensor]]: ...
+
+    def close(self) -> None: ...
+
+
+@functools.cache
+def node_id() -> str:
+    """This machine's boot id (two workers with the same one share a node), else its host name."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def choose(
+    wanted: str,
+    offered: tuple[str, ...],
+    shared_memory_opens: bool,
+    local_device: str,
+    source_device: str,
+    same_node: bool,
+) -> str:
+    """The data path to a source: `wanted` ("auto", or the one the flag forces) among the ones
+    it `offered`. "auto" takes shared memory when the segment mapped (`shared_memory_opens`: same
+    host, same user), torch.distributed when both caches are on CUDA devices of one node, gRPC
+    otherwise. Raises KVHandshakeError naming `--kv-transfer-backend` when a forced path cannot
+    be used."""
+    usable = {
+        "grpc": True,
+        "shared_memory": "shared_memory" in offered and shared_memory_opens,
+        "torch_dist": "torch_dist" in offered
+        and same_node
+        and (local_device == source_device)
+        and (local_device in ("cpu", "cuda")),
+    }
+    if wanted != "auto":
+        if not usable.get(wanted, False):
+            why = "the source does not offer it" if wanted not in offered else "it cannot reach it"
+            raise KVHandshakeError(
+                f"--kv-transfer-backend {wanted}: {why} (offered: {', '.join(('grpc', *offered))})"
+            )
+        return wanted
+    if usable["shared_memory"]:
+        return "shared_memory"
+    if usable["torch_dist"] and local_device == "cuda":
+        return "torch_dist"
+    return "grpc"
+
+
+def open_path(
+    wanted: str,
+    reply: worker_pb2.KVHandshakeResponse,
+    channel: grpc.Channel,
+    address: str,
+    spec: KVCacheSpec,
+    receiver: GrpcKVReceiver,
+) -> DataPath:
+    """The data path to the source that sent handshake `reply` (`choose`), set up: its segment
+    mapped, or its group formed (under "auto", a group that fails to form falls back to gRPC
+    with a warning). Raises KVHandshakeError for a forced path that cannot be used."""
+    offered, segment = tuple(reply.backends), None
+    if "shared_memory" in offered and wanted in ("auto", "shared_memory"):
+        offer = reply.shared_memory
+        try:
+            segment = SharedSegment.open(offer.name, offer.token, offer.nbytes)
+        except OSError as exc:  # another host, or another user: not shared
+            logger.info("cannot map %s's KV segment %s: %s", address, offer.name, exc)
+    name = choose(
+        wanted,
+        offered,
+        segment is not None,
+        torch.device(receiver.device).type,
+        reply.device_type or "cpu",
+        reply.node_id == node_id(),
+    )
+    timeout_s = receiver.timeout_s
+    if name == "shared_memory" and segment is not None:
+        return SharedMemoryPath(
+            channel, address, segment, spec, reply.shared_memory.num_blocks, timeout_s
+        )
+    if name == "torch_dist":
+        path = TorchDistPath(channel, address, spec, receiver.device, timeout_s, receiver.engine_id)
+        try:
+            path.open()
+        except KVTransferError as exc:
+            if wanted != "auto":
+                raise KVHandshakeError(f"--kv-transfer-backend torch_dist: {exc}") from None
+            logger.warning("%s; KV from %s takes gRPC", exc, address)
+            return GrpcPath(channel, address, timeout_s)
+        return path
+    return GrpcPath(channel, address, timeout_s)

@@ -1,0 +1,93 @@
+"""The shared-memory data path (same host, CPU workers): the decode worker maps the source's
+KV-cache segment read-only once per source (`services/engine/kv_transfer/shm_segment.py`) and,
+for each pull, copies the pinned blocks straight out of it into its own reserved blocks while a
+PullKVShared call holds the source's lease; gRPC carries only the block ids and two flags."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Iterator
+
+import grpc
+import torch
+
+from services.common.convert import handle_to_proto
+from services.common.pb import worker_pb2, worker_pb2_grpc
+from services.engine.errors import KVTransferError
+from services.engine.kv_cache import KVCacheSpec, block_runs
+from services.engine.kv_transfer.handle import KVHandle
+from services.engine.kv_transfer.shm_segment import SharedSegment
+
+
+class SharedMemoryPath:
+    """Copies from `segment` (the source's whole cache, mapped read-only) under PullKVShared
+    calls to `address` over `channel`, each bounded by `timeout_s`."""
+
+    name = "shared_memory"
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        address: str,
+        segment: SharedSegment,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        timeout_s: float,
+    ) -> None:
+        self.address, self.timeout_s = address, timeout_s
+        self.segment = segment
+        self.kv = segment.tensor(
+            (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+            spec.dtype,
+        )
+        self._stub = worker_pb2_grpc.KVTransferStub(channel)
+
+    def stream(
+        self,
+        handle: KVHandle,
+        first_block: int,
+        on_call: Callable[[grpc.Call], object] | None,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """(block offset from `first_block`, a view of the source's cache: one run of its
+        consecutive blocks) in order. A view is valid only until the next one is asked for: the
+        caller copies it first (the source's lease is held meanwhile). Raises grpc.RpcError,
+        KVTransferError (the pull ended before the copy did: what was copied is unusable)."""
+        messages: queue.SimpleQueue[worker_pb2.KVSharedPull | None] = queue.SimpleQueue()
+        messages.put(
+            worker_pb2.KVSharedPull(
+                pull=worker_pb2.PullKVRequest(
+                    handle=handle_to_proto(handle, self.address), first_block=first_block
+                )
+            )
+        )
+        call = self._stub.PullKVShared(iter(messages.get, None), timeout=self.timeout_s)
+        if on_call is not None:
+            on_call(call)
+        try:
+            grant = next(call)
+            block_ids = list(grant.block_ids)
+            if block_ids != list(handle.block_ids[first_block:]):
+                raise KVTransferError(
+                    f"shared-memory pull of {handle.request_id!r}: the source granted blocks "
+                    f"{block_ids}, not the handle's",
+                    "failed",
+                )
+            if block_ids and max(block_ids) >= self.kv.shape[2]:
+                raise KVTransferError(f"block ids of {handle.request_id!r} past the segment")
+            offset = 0
+            for start, n in block_runs(block_ids):
+                yield offset, self.kv[:, :, start : start + n]
+                offset += n
+            messages.put(worker_pb2.KVSharedPull(copied=True))
+            done = next(call, None)
+        finally:
+            messages.put(None)  # ends the request stream (and so the call) on every path
+        if done is None or not done.done:
+            raise KVTransferError(
+                f"shared-memory pull of {handle.request_id!r} from {self.address} ended before "
+                "its copy did",
+                "failed",
+            )
+
+    def close(self) -> None:
+        """The mapping goes with the last view of it."""
