@@ -40,7 +40,14 @@ DERIVED = {
     *(
         f"{pool}.{name}"
         for pool in ("prefill", "decode")
-        for name in ("engine", "host", "port", "metrics_port", "register_with")
+        for name in (
+            "engine",
+            "host",
+            "port",
+            "metrics_port",
+            "register_with",
+            "kv_transfer_backend",
+        )
     ),
     "prefill.index",
 }
@@ -104,6 +111,7 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
             debug_zero_kv_block=0,
             debug_recompute_prompt=True,
         ),
+        kv_transfer_backend="grpc",
         num_prefill=2,
         num_decode=2,
         start_timeout=110.0,

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from services.common.pb import common_pb2, generate_pb2, worker_pb2, worker_pb2_grpc
+from services.engine.kv_transfer.shm_segment import count_segments
 from tests.e2e.cluster import generation_stub, start, start_all, worker_info
 from tests.reference import assert_equivalent, hf_greedy
 
@@ -258,12 +259,14 @@ def test_a_layout_mismatch_is_refused_on_both_sides(direct, real_text_ids, which
 def stalled_cluster(request, default_model):
     """Prefill workers (the first stalls every pull 30 s), one decode worker, a round-robin router:
     the first request goes to the stalled worker. `request.param`: (number of prefill workers,
-    decode --kv-transfer-timeout)."""
-    num_prefill, kv_timeout = request.param
+    decode --kv-transfer-timeout[, --kv-transfer-backend of every worker])."""
+    num_prefill, kv_timeout, *backend = request.param
+    flags = ["--kv-transfer-backend", backend[0]] if backend else []
     prefill = start_all(
-        ["prefill", "--debug-kv-stall-seconds", "30"], *[["prefill"]] * (num_prefill - 1)
+        ["prefill", "--debug-kv-stall-seconds", "30", *flags],
+        *[["prefill", *flags]] * (num_prefill - 1),
     )
-    (decode,) = start_all(["decode", "--kv-transfer-timeout", str(kv_timeout)])
+    (decode,) = start_all(["decode", "--kv-transfer-timeout", str(kv_timeout), *flags])
     router = start(
         "router",
         "--disaggregation",
@@ -311,12 +314,16 @@ def test_prefill_killed_mid_transfer_is_retried_on_the_other_worker(
     _wait(lambda: _pinned(healthy) == 0, 5, "the retried request's pin released")
 
 
-@pytest.mark.parametrize("stalled_cluster", [(1, 4)], indirect=True)
+@pytest.mark.parametrize(
+    "stalled_cluster", [(1, 4, "auto"), (1, 4, "torch_dist")], indirect=True, ids=str
+)
 def test_one_prefill_worker_stall_and_kill_give_clear_errors_in_time(
-    stalled_cluster, real_text_ids
+    stalled_cluster, real_text_ids, request
 ):
+    """Over each one-node data path ("auto" takes shared memory here): the stall ends in time,
+    the SIGKILLed source in UNAVAILABLE, with no block left reserved and no segment left."""
     ((prefill,), decode, router) = stalled_cluster
-    free_before = _free(decode, "decode")
+    free_before, segments = _free(decode, "decode"), count_segments()
     # A stalled transfer ends with DEADLINE_EXCEEDED after the decode worker's 4 s, not a hang.
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
@@ -339,6 +346,9 @@ def test_one_prefill_worker_stall_and_kill_give_clear_errors_in_time(
     _wait(
         lambda: _free(decode, "decode") == free_before, 5, "decode blocks back to their start value"
     )
+    shared = "auto" in request.node.callspec.id
+    # The dead worker's segment is swept by the decode worker that found it dead.
+    _wait(lambda: count_segments() == segments - shared, 5, "the killed worker's segment removed")
 
 
 # -- 100 random cancels -------------------------------------------------------------------------

@@ -47,13 +47,18 @@ def segment_name(engine_id: str, pid: int | None = None) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True  # alive, someone else's
-    return True
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust kill()
+    return stat_line.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
 def sweep_dead_segments(directory: Path = SHM_DIR) -> list[str]:
