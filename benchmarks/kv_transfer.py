@@ -1,24 +1,26 @@
-"""KV transfer over gRPC: bandwidth against a bare grpcio byte stream, and its share of TTFT.
+"""KV transfer over each backend (gRPC, shared memory, torch.distributed): bandwidth against a
+same-size memory copy, and the second token's latency.
 
-1. Bandwidth. A real local cluster (`pdserve serve`, default model) prefills a long prompt on its
-   prefill worker, which pins the prompt's KV (float32: 45 KiB per token). This process then
-   pulls that KV `--trials` times through `GrpcKVReceiver.pull_chunks`, the decode worker's own
-   path (PullKV stream of <= 4 MiB chunks read from the prefill worker's cache, each written as
-   it arrives into a preallocated KV tensor, as the decode worker writes into its reserved
-   blocks), and, interleaved in the same run, streams the same number of bytes from a bare
-   grpcio server in another process (a generic handler yielding a prebuilt payload of the same
-   size as 4 MiB `bytes` messages; the client drops each on arrival). Target: the gRPC path
-   moves >= 80% of the bare stream's bytes/s. This process runs torch on one thread, as a decode
-   worker's RPC thread copies without the intra-op pool.
-2. Share of TTFT. Through the same cluster's router, prompts of 128 to 4,096 tokens; the router's
-   own timings of each request give TTFT (request received -> first token sent) and the decode
-   worker's pull time. pdserve streams the first token as soon as the prefill samples it, before
-   the transfer starts, so the transfer is 0% of its TTFT by construction; the table also gives
-   transfer / (TTFT + transfer), the share it would have in a design whose first token waits
-   for the decode worker (a P/D proxy that sends max_tokens=1 to prefill, then decodes).
+For each backend a real local cluster (`pdserve serve --kv-transfer-backend B`, default model,
+float32: 45 KiB of KV per token, one torch thread per worker) runs, and:
 
-    python benchmarks/kv_transfer.py             # ~2 min
-    python benchmarks/kv_transfer.py --trials 5 --pull-tokens 4096
+1. Bandwidth. This process prefills a prompt of each length (128 to 4,096 tokens) on the
+   prefill worker, which pins its KV, then pulls that KV `--trials` times through
+   `GrpcKVReceiver(backend=B).pull_chunks`, the decode worker's own code path, each piece
+   written as it arrives into a preallocated KV tensor (as the decode worker writes into its
+   reserved blocks). Interleaved with those pulls, in the same run, it copies the same number of
+   bytes between two preallocated tensors (`Tensor.copy_`, one thread): the memory-copy
+   baseline. Target: shared memory at >= 50% of the memory copy's bytes/s. In the gRPC run it
+   also streams the bytes of the `--pull-tokens` prompt from a bare grpcio server in another
+   process (4 MiB `bytes` messages dropped on arrival), issue 7's baseline for the gRPC path
+   (target >= 80%).
+2. Second token. Through the same cluster's router, a greedy 2-token request per prompt length:
+   the client's time to the first and to the second token, and the router's timings (TTFT and
+   the decode worker's pull). pdserve streams the first token as soon as the prefill samples it;
+   the second needs the KV at the decode worker, so the transfer sits in its latency.
+
+    python benchmarks/kv_transfer.py             # ~4 min
+    python benchmarks/kv_transfer.py --trials 5 --backends grpc,shared_memory
 
 Prints tables and writes JSON (default benchmarks/results/kv_transfer.json).
 """
@@ -52,6 +54,7 @@ def parse_args() -> argparse.Namespace:
         "--pull-tokens", type=int, default=4096, help="prompt tokens whose KV is pulled"
     )
     parser.add_argument("--trials", type=int, default=15, help="pulls of each kind (median counts)")
+    parser.add_argument("--backends", default="grpc,shared_memory,torch_dist")
     parser.add_argument("--prompt-lengths", default="128,512,1024,2048,4096")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each worker")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kv_transfer.json"))
@@ -119,69 +122,105 @@ def pull_into(transfer, handle, destination) -> float:
 # -- 1. bandwidth ---------------------------------------------------------------------------------
 
 
-def bandwidth(args, prefill_address: str) -> dict:
+def _prefill(prefill_address: str, request_id: str, prompt: list[int]):
+    """Prefill `prompt` at the worker; (its KVHandle, source address) with the KV pinned."""
     import grpc
-    import torch
 
-    from services.common.channels import GRPC_OPTIONS
     from services.common.convert import handle_from_proto
-    from services.common.kv_transfer_grpc import GrpcKVReceiver
     from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
 
-    prompt = text_ids(args.model, args.pull_tokens, offset=1000)
-    stub = worker_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill_address))
-    reply = stub.Prefill(
+    reply = worker_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill_address)).Prefill(
         worker_pb2.PrefillRequest(
-            request_id="bench-pull",
+            request_id=request_id,
             prompt_token_ids=prompt,
             sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
         ),
         timeout=300,
     )
-    handle, source = handle_from_proto(reply.kv_handle)
-    transfer = GrpcKVReceiver(timeout_s=120, role="bench")
-    transfer.set_source(handle.request_id, source)  # renews the lease while we pull
-    bare = subprocess.Popen(
-        [sys.executable, __file__, "--bare-server"], stdout=subprocess.PIPE, text=True
-    )
-    try:
+    return handle_from_proto(reply.kv_handle)
+
+
+def _source_peer_info(address: str):
+    """The source's own KVPeerInfo (what a compatible decode worker holds)."""
+    import grpc
+
+    from services.common.convert import peer_info_from_proto
+    from services.common.pb import common_pb2, worker_pb2_grpc
+
+    stub = worker_pb2_grpc.AdminStub(grpc.insecure_channel(address))
+    info = stub.GetInfo(common_pb2.InfoRequest(), timeout=30)
+    return peer_info_from_proto(info.model_id, info.kv_layout)
+
+
+def bandwidth(args, backend: str, prefill_address: str) -> list[dict]:
+    """One row per prompt length: the backend's bytes/s and the memory copy's, both medians."""
+    import grpc
+    import torch
+
+    from services.common.channels import GRPC_OPTIONS
+    from services.common.kv_transfer_grpc import GrpcKVReceiver
+    from services.common.pb import worker_pb2, worker_pb2_grpc
+
+    rows = []
+    local = _source_peer_info(prefill_address)
+    transfer = GrpcKVReceiver(timeout_s=120, role="bench", backend=backend, engine_id="bench")
+    bare = None
+    if backend == "grpc":
+        bare = subprocess.Popen(
+            [sys.executable, __file__, "--bare-server"], stdout=subprocess.PIPE, text=True
+        )
         channel = grpc.insecure_channel(
             f"127.0.0.1:{bare.stdout.readline().strip()}", options=GRPC_OPTIONS
         )
-        destination = torch.cat(
-            transfer.pull(handle), dim=2
-        )  # also warms up; like the cache, allocated once
-        nbytes = destination.numel() * destination.element_size()
-        expected = destination.clone()
-        pull_bare(channel, nbytes)
-        grpc_s, bare_s = [], []
-        for _ in range(args.trials):  # interleaved: both see the same machine state
-            destination.zero_()
-            grpc_s.append(pull_into(transfer, handle, destination))
-            assert torch.equal(destination, expected)
-            bare_s.append(pull_bare(channel, nbytes))
+    try:
+        for i, num_tokens in enumerate(int(n) for n in args.prompt_lengths.split(",")):
+            prompt = text_ids(args.model, num_tokens, offset=1000 + 100 * i)
+            handle, source = _prefill(prefill_address, f"bench-pull-{backend}-{i}", prompt)
+            transfer.set_source(handle.request_id, source)  # renews the lease while we pull
+            transfer.connect(handle, local)
+            destination = torch.cat(transfer.pull(handle), dim=2)  # warms up; allocated once
+            nbytes = destination.numel() * destination.element_size()
+            expected, copy_from = destination.clone(), torch.randn_like(destination)
+            path_s, copy_s, bare_s = [], [], []
+            for _ in range(args.trials):  # interleaved: both see the same machine state
+                destination.zero_()
+                path_s.append(pull_into(transfer, handle, destination))
+                assert torch.equal(destination, expected)
+                start = time.perf_counter()
+                destination.copy_(copy_from)
+                copy_s.append(time.perf_counter() - start)
+                if bare is not None and num_tokens == args.pull_tokens:
+                    bare_s.append(pull_bare(channel, nbytes))
+            transfer.forget(handle.request_id)
+            worker_pb2_grpc.KVTransferStub(grpc.insecure_channel(source)).ReleaseKV(
+                worker_pb2.ReleaseKVRequest(request_id=handle.request_id), timeout=30
+            )
+            rate = nbytes / statistics.median(path_s)
+            row = {
+                "backend": backend,
+                "prompt_tokens": num_tokens,
+                "bytes": nbytes,
+                "path_seconds": path_s,
+                "memcpy_seconds": copy_s,
+                "bytes_per_s": rate,
+                "memcpy_bytes_per_s": nbytes / statistics.median(copy_s),
+            }
+            row["share_of_memcpy"] = rate / row["memcpy_bytes_per_s"]
+            if bare_s:
+                row["bare_grpc_bytes_per_s"] = nbytes / statistics.median(bare_s)
+                row["share_of_bare_grpc"] = rate / row["bare_grpc_bytes_per_s"]
+            rows.append(row)
     finally:
-        bare.kill()
+        if bare is not None:
+            bare.kill()
         transfer.close()
-        worker_pb2_grpc.KVTransferStub(grpc.insecure_channel(source)).ReleaseKV(
-            worker_pb2.ReleaseKVRequest(request_id=handle.request_id), timeout=30
-        )
-    grpc_rate, bare_rate = nbytes / statistics.median(grpc_s), nbytes / statistics.median(bare_s)
-    return {
-        "prompt_tokens": args.pull_tokens,
-        "bytes": nbytes,
-        "grpc_path_seconds": grpc_s,
-        "bare_seconds": bare_s,
-        "grpc_path_bytes_per_s": grpc_rate,
-        "bare_bytes_per_s": bare_rate,
-        "ratio": grpc_rate / bare_rate,
-    }
+    return rows
 
 
-# -- 2. share of TTFT ------------------------------------------------------------------------------
+# -- 2. second token ------------------------------------------------------------------------------
 
 
-def ttft_share(args, router: str, bytes_per_token: int) -> list[dict]:
+def second_token(args, backend: str, router: str) -> list[dict]:
     import grpc
 
     from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc
@@ -195,16 +234,19 @@ def ttft_share(args, router: str, bytes_per_token: int) -> list[dict]:
             ),
             sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
         )
-        timings = [m.timings for m in stub.Generate(request, timeout=600) if m.finish_reason][0]
+        start, arrivals, timings = time.perf_counter(), [], None
+        for message in stub.Generate(request, timeout=600):
+            arrivals += [time.perf_counter() - start] * len(message.token_ids)
+            if message.finish_reason:
+                timings = message.timings
         rows.append(
             {
+                "backend": backend,
                 "prompt_tokens": num_tokens,
+                "first_token_s": arrivals[0],
+                "second_token_s": arrivals[1],
                 "ttft_s": timings.ttft,
                 "kv_transfer_s": timings.kv_transfer,
-                "kv_bytes": num_tokens * bytes_per_token,
-                "share_of_ttft": 0.0,
-                "share_if_first_token_waited": timings.kv_transfer
-                / (timings.ttft + timings.kv_transfer),
             }
         )
     return rows
@@ -217,53 +259,59 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    process, ready = start_serve(
-        args.model,
-        "--prefill-threads",
-        str(args.threads),
-        "--decode-threads",
-        str(args.threads),
-        "--no-enable-prefix-caching",
-    )
-    try:
-        prefill = next(s["grpc"] for s in ready["services"] if s["role"] == "prefill")
-        bw = bandwidth(args, prefill)
-        shares = ttft_share(args, ready["router"], bw["bytes"] // bw["prompt_tokens"])
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-    mib = 1024 * 1024
-    print(
-        f"\nKV pull of a {bw['prompt_tokens']}-token prompt ({bw['bytes'] / mib:.0f} MiB), "
-        f"median of {args.trials}:"
-    )
-    print(
-        "  bare grpcio byte stream (messages dropped)       "
-        f"{bw['bare_bytes_per_s'] / mib:8.0f} MiB/s"
-    )
-    print(
-        "  pdserve gRPC KV path (written into a KV tensor)  "
-        f"{bw['grpc_path_bytes_per_s'] / mib:8.0f} MiB/s   "
-        f"{bw['ratio']:.0%} of bare (target >= 80%)"
-    )
-    print(
-        "\nprompt tokens | KV MiB | TTFT ms | transfer ms | in TTFT | "
-        "share if the first token waited"
-    )
-    for row in shares:
-        print(
-            f"{row['prompt_tokens']:13d} | {row['kv_bytes'] / mib:6.1f} | "
-            f"{row['ttft_s'] * 1e3:7.0f} | "
-            f"{row['kv_transfer_s'] * 1e3:11.1f} | {row['share_of_ttft']:7.0%} | "
-            f"{row['share_if_first_token_waited']:.1%}"
+    bandwidth_rows, token_rows = [], []
+    for backend in args.backends.split(","):
+        process, ready = start_serve(
+            args.model,
+            "--prefill-threads",
+            str(args.threads),
+            "--decode-threads",
+            str(args.threads),
+            "--no-enable-prefix-caching",
+            "--kv-transfer-backend",
+            backend,
         )
+        try:
+            prefill = next(s["grpc"] for s in ready["services"] if s["role"] == "prefill")
+            bandwidth_rows += bandwidth(args, backend, prefill)
+            token_rows += second_token(args, backend, ready["router"])
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    report(args, bandwidth_rows, token_rows)
     write_result(
         "kv_transfer.py",
         args,
         args.threads,
-        {"bandwidth": bw, "ttft_share": shares},
+        {"bandwidth": bandwidth_rows, "second_token": token_rows},
         skip=("bare_server",),
     )
+
+
+def report(args, bandwidth_rows: list[dict], token_rows: list[dict]) -> None:
+    mib = 1024 * 1024
+    print(f"\nKV pull bandwidth, median of {args.trials} (memcpy: same bytes, same run):")
+    print("backend        | prompt tokens | KV MiB | MiB/s | memcpy MiB/s | share of memcpy")
+    for row in bandwidth_rows:
+        print(
+            f"{row['backend']:14s} | {row['prompt_tokens']:13d} | {row['bytes'] / mib:6.1f} | "
+            f"{row['bytes_per_s'] / mib:5.0f} | {row['memcpy_bytes_per_s'] / mib:12.0f} | "
+            f"{row['share_of_memcpy']:.0%}"
+        )
+    for row in bandwidth_rows:
+        if "share_of_bare_grpc" in row:
+            print(
+                f"gRPC path at {row['prompt_tokens']} tokens: {row['share_of_bare_grpc']:.0%} of "
+                f"a bare grpcio stream ({row['bare_grpc_bytes_per_s'] / mib:.0f} MiB/s; "
+                "target >= 80%)"
+            )
+    print("\nbackend        | prompt tokens | 1st token ms | 2nd token ms | transfer ms")
+    for row in token_rows:
+        print(
+            f"{row['backend']:14s} | {row['prompt_tokens']:13d} | "
+            f"{row['first_token_s'] * 1e3:12.0f} | {row['second_token_s'] * 1e3:12.0f} | "
+            f"{row['kv_transfer_s'] * 1e3:11.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,31 +1,36 @@
 """KV transfer on one node, source side: the KVTransfer RPCs through which a prefill worker
 serves its blocks without putting them in gRPC messages (mixed into `KVTransferServicer`).
 
-- PullKVShared (same host, CPU): the receiver copies the blocks out of the cache's shared-memory
-  segment (`services/engine/kv_transfer/shared_memory.py`) while this call holds a pull on the
-  request's lease; the call answers the pinned block ids, then waits for `copied`.
+- ConfirmKVCopy (same host, CPU): the receiver copies the blocks out of the cache's
+  shared-memory segment (`services/engine/kv_transfer/shared_memory.py`) with no call before,
+  then asks whether the transfer is still live, which makes its copy good (optimistic reads
+  validated after, as a seqlock reader does; one round trip per pull).
 - OpenKVGroup / SendKV (torch.distributed): one process group per decode worker, opened by it
   and held as long as its OpenKVGroup call lasts (`kv_backends/dist_group.py`); SendKV sends a
   request's blocks through it under a pull, one send at a time per group.
 
-Both keep the lease rules of PullKV: a pull holds the blocks only while its call lives (a
-receiver that dies ends the call, the pull, and then the lease frees the pin).
+Both keep the lease rules of PullKV: a receiver that dies or hangs stops renewing, and the
+lease frees the pin (a copy confirmed after that is refused).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import grpc
+import torch
 
 from services.common import metrics
 from services.common.convert import handle_from_proto
 from services.common.errors import ServiceUnavailableError
-from services.common.kv_backends.dist_group import PairGroup, group_name, serve_store
+from services.common.kv_backends.dist_group import (
+    PairGroup,
+    StagingBuffer,
+    group_name,
+    serve_store,
+)
 from services.common.pb import worker_pb2
 from services.engine.errors import KVHandshakeError, RequestNotFoundError
 from services.engine.kv_transfer.handle import KVHandle
@@ -40,12 +45,14 @@ class _Group:
     def __init__(self, group: PairGroup, peer: str) -> None:
         self.group, self.peer = group, peer
         self.lock = threading.Lock()
-        self.closed = threading.Event()
+        self.staging = StagingBuffer()  # what SendKV gathers the blocks into
+        self.closed = threading.Event()  # asked to close
+        self.finished = threading.Event()  # torn down
 
 
 class LocalKVPaths:
     """The one-node RPCs of the KVTransfer service. Expects of its host class: `sender`,
-    `on_engine`, `block_bytes`, `dist_device` (the cache's device type when torch.distributed is
+    `on_engine`, `block_bytes`, `dist_device` (the cache's device when torch.distributed is
     served, else None), `dist_host`, `group_timeout_s` and `_stall(context)`."""
 
     sender: KVSender
@@ -77,35 +84,16 @@ class LocalKVPaths:
 
     # -- shared memory -------------------------------------------------------------------------
 
-    def PullKVShared(self, request_iterator, context):
-        """The lease is held by a pull from the grant until `copied`, at most one lease length:
-        a receiver that hangs mid-copy cannot hold the blocks longer than one (its copy is then
-        refused, done = false, and the lease runs out as usual)."""
-        first = next(request_iterator, None)
-        if first is None:
-            return
-        handle = self._check(first.pull)
-        first_block, rid = first.pull.first_block, handle.request_id
-        block_ids = self.sender.source(handle).pinned_blocks(handle, first_block)
+    def ConfirmKVCopy(self, request, context) -> worker_pb2.ConfirmKVCopyResponse:
+        """The receiver copied the handle's blocks out of the segment with no call before:
+        they were pinned at publish and a pin ends only with its transfer, so the copy is good
+        if the transfer is still live now, and the handle names the pinned request's own
+        blocks. Raises RequestNotFoundError (NOT_FOUND) otherwise."""
         self._stall(context)
-        replies: queue.SimpleQueue = queue.SimpleQueue()
-        self.sender.leases.begin_pull(rid)
-        try:
-            threading.Thread(
-                target=_next_message, args=(request_iterator, replies), daemon=True
-            ).start()
-            yield worker_pb2.KVSharedGrant(block_ids=block_ids)
-            try:
-                message = replies.get(timeout=self.sender.leases.lease_s)
-            except queue.Empty:
-                message = None
-        finally:
-            self._end(rid)
-        if message is not None and message.copied:
-            self._count("shared_memory", handle, first_block)
-            yield worker_pb2.KVSharedGrant(done=True)
-        else:
-            yield worker_pb2.KVSharedGrant(done=False)
+        handle = self._check(request)
+        num_blocks = len(self.sender.source(handle).pinned_blocks(handle, request.first_block))
+        self._count("shared_memory", handle, request.first_block)
+        return worker_pb2.ConfirmKVCopyResponse(num_blocks=num_blocks)
 
     # -- torch.distributed ---------------------------------------------------------------------
 
@@ -121,8 +109,9 @@ class LocalKVPaths:
 
         def build() -> None:  # rendezvous with the caller, who builds rank 1 meanwhile
             try:
+                device_type = torch.device(self.dist_device or "cpu").type
                 built["group"] = PairGroup(
-                    store, name, 0, self.dist_device or "cpu", self.group_timeout_s, self.dist_host
+                    store, name, 0, device_type, self.group_timeout_s, self.dist_host
                 )
             except RuntimeError as exc:
                 built["error"] = exc
@@ -133,7 +122,7 @@ class LocalKVPaths:
             store_host=self.dist_host,
             store_port=store.port,
             group=name,
-            backend="nccl" if self.dist_device == "cuda" else "gloo",
+            backend="nccl" if torch.device(self.dist_device).type == "cuda" else "gloo",
         )
         thread.join(self.group_timeout_s + 5)
         if "group" not in built:
@@ -150,6 +139,7 @@ class LocalKVPaths:
             self._groups.pop(name, None)
             with entry.lock:
                 entry.group.close()
+            entry.finished.set()
             logger.info("KV group %s with %s closed", name, request.engine_id)
 
     def SendKV(self, request, context) -> Iterator[worker_pb2.SendKVStatus]:
@@ -159,13 +149,21 @@ class LocalKVPaths:
         handle = self._check(request.pull)
         first_block, rid = request.pull.first_block, handle.request_id
         self._stall(context)
-        self.sender.leases.begin_pull(rid)  # held for the read only: the send is of a copy
-        try:
-            data = self.sender.source(handle).read_kv(handle, first_block).contiguous()
-        finally:
-            self._end(rid)
-        yield worker_pb2.SendKVStatus(sent=False)
-        with entry.lock:
+        source = self.sender.source(handle)
+        spec = source.kv_peer_info.spec
+        n = len(handle.block_ids) - first_block
+        shape = (spec.num_layers, 2, n, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        with entry.lock:  # one send at a time per pair, from its staging buffer
+            self.sender.leases.begin_pull(rid)  # held for the read only: the send is of a copy
+            try:
+                data = source.read_kv(
+                    handle,
+                    first_block,
+                    entry.staging.view(shape, spec.dtype, self.dist_device or "cpu"),
+                )
+            finally:
+                self._end(rid)
+            yield worker_pb2.SendKVStatus(sent=False)
             try:
                 entry.group.send(data, request.tag)
             except RuntimeError as exc:
@@ -176,15 +174,12 @@ class LocalKVPaths:
         self._count("torch_dist", handle, first_block)
         yield worker_pb2.SendKVStatus(sent=True)
 
-    def close_groups(self) -> None:
-        """End every group's OpenKVGroup call (the worker is stopping)."""
-        for entry in list(self._groups.values()):
+    def close_groups(self, timeout_s: float = 5.0) -> None:
+        """End every group's OpenKVGroup call and wait (up to `timeout_s`) until each is torn
+        down: the worker is stopping, and a process group still alive at interpreter exit
+        aborts the process."""
+        entries = list(self._groups.values())
+        for entry in entries:
             entry.closed.set()
-
-
-def _next_message(messages: Iterator, into: queue.SimpleQueue) -> None:
-    """Put the call's next message into `into`, or None once the call ended (or broke)."""
-    try:
-        into.put(next(messages, None))
-    except grpc.RpcError:
-        into.put(None)
+        for entry in entries:
+            entry.finished.wait(timeout_s)

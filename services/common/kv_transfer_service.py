@@ -34,7 +34,7 @@ class KVTransferServicer(LocalKVPaths, worker_pb2_grpc.KVTransferServicer):
 
     `backends`: the data paths offered besides PullKV ("shared_memory" needs the sender to be a
     `SharedMemoryKVSender` with a segment; "torch_dist" builds groups on the backend of
-    `device_type`, where the cache lives, their stores on `dist_host`, every group operation
+    `device`'s type, where the cache lives, their stores on `dist_host`, every group operation
     bounded by `group_timeout_s`).
 
     `on_engine(fn)` runs fn on the engine's thread, now or soon, without waiting for it
@@ -52,7 +52,7 @@ class KVTransferServicer(LocalKVPaths, worker_pb2_grpc.KVTransferServicer):
         chunk_bytes: int = CHUNK_BYTES,
         stall_s: float = 0.0,
         backends: tuple[str, ...] = (),
-        device_type: str = "cpu",
+        device: str = "cpu",
         dist_host: str = "127.0.0.1",
         group_timeout_s: float = 30.0,
     ) -> None:
@@ -66,8 +66,8 @@ class KVTransferServicer(LocalKVPaths, worker_pb2_grpc.KVTransferServicer):
         segment = getattr(sender, "segment", None)
         self.segment = segment if "shared_memory" in backends else None
         self.backends = tuple(b for b in backends if b != "shared_memory" or self.segment)
-        self.device_type = device_type
-        self.dist_device = device_type if "torch_dist" in backends else None
+        self.device_type = device.split(":")[0]
+        self.dist_device = device if "torch_dist" in backends else None
         self.dist_host, self.group_timeout_s = dist_host, group_timeout_s
         self._groups = {}
 
@@ -181,10 +181,10 @@ def add_kv_transfer_servicer(servicer: KVTransferServicer, server: grpc.Server) 
             worker_pb2.ReleaseKVRequest.FromString,
             worker_pb2.ReleaseKVResponse.SerializeToString,
         ),
-        "PullKVShared": grpc.stream_stream_rpc_method_handler(
-            servicer.PullKVShared,
-            worker_pb2.KVSharedPull.FromString,
-            worker_pb2.KVSharedGrant.SerializeToString,
+        "ConfirmKVCopy": grpc.unary_unary_rpc_method_handler(
+            servicer.ConfirmKVCopy,
+            worker_pb2.PullKVRequest.FromString,
+            worker_pb2.ConfirmKVCopyResponse.SerializeToString,
         ),
         "OpenKVGroup": grpc.unary_stream_rpc_method_handler(
             servicer.OpenKVGroup,

@@ -180,11 +180,14 @@ class KVCache:
         request.block_table = []
         request.num_hashed_blocks = 0
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+    def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy of the given blocks:
-        [num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]."""
+        [num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim] (into `out`, a
+        contiguous tensor of that shape, when given)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
-        return self.kv.index_select(2, index)
+        if out is None:
+            return self.kv.index_select(2, index)
+        return torch.index_select(self.kv, 2, index, out=out)
 
     def block_buffers(self, block_ids: list[int]) -> list[memoryview]:
         """The given blocks' bytes in `read_blocks` order, as views of the cache where it lives

@@ -70,9 +70,11 @@ class KVExport(KVSource):
     def kv_peer_info(self) -> KVPeerInfo:
         return self._peer_info
 
-    def read_kv(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
+    def read_kv(
+        self, handle: KVHandle, first_block: int = 0, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         self._pinned_request(handle, first_block)
-        return self.kv_cache.read_blocks(list(handle.block_ids[first_block:]))
+        return self.kv_cache.read_blocks(list(handle.block_ids[first_block:]), out)
 
     def kv_buffers(self, handle: KVHandle, first_block: int, last_block: int) -> list[memoryview]:
         self._pinned_request(handle, first_block)

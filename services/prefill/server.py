@@ -116,7 +116,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
         engine.kv_peer_info,
         stall_s=config.debug_kv_stall_seconds,
         backends=offered[1:],
-        device_type=device,
+        device=config.engine.device,
         dist_host=config.host if config.host not in ("", "0.0.0.0", "::") else "127.0.0.1",
     )
     service = start_service(

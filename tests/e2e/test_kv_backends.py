@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.pb import common_pb2, generate_pb2
-from services.engine.kv_transfer.shm_segment import count_segments
+from services.engine.kv_transfer.shm_segment import count_segments, sweep_dead_segments
 from tests.e2e.cluster import generation_stub, scrape, start
 from tests.reference import assert_equivalent, hf_greedy
 
@@ -25,6 +25,7 @@ def test_serve_over_each_kv_backend_matches_the_reference_and_grpc(
     flag, backend, tmp_path, default_model, real_text_ids
 ):
     prompt = real_text_ids[4000:4300]  # 300 tokens: 19 blocks of KV cross
+    sweep_dead_segments()  # earlier tests' SIGKILLed workers': the new one would sweep them
     segments = count_segments()
     log = tmp_path / "serve.log"
     with log.open("w") as stderr:

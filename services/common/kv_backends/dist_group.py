@@ -76,3 +76,20 @@ class PairGroup:
             self.pg.abort() if self.backend == "nccl" else self.pg.shutdown()
         except RuntimeError:
             pass
+
+
+class StagingBuffer:
+    """A grow-only contiguous buffer a pair sends from or receives into, so a pull does not
+    allocate (and page-fault) a fresh tensor the size of its KV each time. Holds the largest
+    pull's bytes until the pair's group is closed."""
+
+    def __init__(self) -> None:
+        self._flat: torch.Tensor | None = None
+
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+        """A contiguous tensor of `shape` and `dtype` over the buffer (valid until the next)."""
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        flat = self._flat
+        if flat is None or flat.numel() < nbytes or flat.device != torch.device(device):
+            flat = self._flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return flat[:nbytes].view(dtype).view(shape)

@@ -17,7 +17,7 @@ import grpc
 import torch
 
 from services.common.convert import handle_to_proto
-from services.common.kv_backends.dist_group import PairGroup, join_store
+from services.common.kv_backends.dist_group import PairGroup, StagingBuffer, join_store
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.engine.errors import KVTransferError
 from services.engine.kv_cache import KVCacheSpec
@@ -48,6 +48,7 @@ class TorchDistPath:
         self._group: PairGroup | None = None
         self._group_call: grpc.Call | None = None
         self._tags = itertools.count()
+        self._staging = StagingBuffer()  # what each pull receives into
 
     def open(self) -> None:
         """Set up the group now, if there is none. Raises KVTransferError (reason
@@ -102,7 +103,9 @@ class TorchDistPath:
         first_block: int,
         on_call: Callable[[object], object] | None,
     ) -> Iterator[tuple[int, torch.Tensor]]:
-        """One piece: (0, the blocks from `first_block` on, received into a new tensor).
+        """One piece: (0, the blocks from `first_block` on, received into the pair's staging
+        buffer; valid until the caller asks for more, which it must do before another pull of
+        this pair can start).
         `on_call` gets an object whose cancel() ends the call until the send began (after
         that the pull completes: a recv cannot be taken back). Raises grpc.RpcError,
         KVTransferError."""
@@ -123,9 +126,9 @@ class TorchDistPath:
             cancel = _CancelUntilSent(call)
             if on_call is not None:
                 on_call(cancel)
-            next(call)  # the source holds the lease: it sends now
+            next(call)  # the source read the blocks: it sends now
             cancel.sending = True
-            buffer = torch.empty(shape, dtype=spec.dtype, device=self.device)
+            buffer = self._staging.view(shape, spec.dtype, self.device)
             try:
                 group.recv(buffer, tag)
             except RuntimeError as exc:
@@ -135,9 +138,9 @@ class TorchDistPath:
                     "unavailable",
                 ) from None
             sent = next(call, None)
-        if sent is None or not sent.sent:
-            raise KVTransferError(f"KV send of {handle.request_id!r} did not complete", "failed")
-        yield 0, buffer
+            if sent is None or not sent.sent:
+                raise KVTransferError(f"KV send of {handle.request_id!r} did not complete")
+            yield 0, buffer  # under the lock: the next pull reuses the buffer
 
     def close(self) -> None:
         with self._lock:

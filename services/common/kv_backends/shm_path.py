@@ -1,11 +1,11 @@
 """The shared-memory data path (same host, CPU workers): the decode worker maps the source's
 KV-cache segment read-only once per source (`services/engine/kv_transfer/shm_segment.py`) and,
-for each pull, copies the pinned blocks straight out of it into its own reserved blocks while a
-PullKVShared call holds the source's lease; gRPC carries only the block ids and two flags."""
+for each pull, copies the pinned blocks straight out of it into its own reserved blocks, then
+confirms with one ConfirmKVCopy call that the transfer is still live (so the blocks stayed
+pinned throughout the copy: an optimistic read validated after, as a seqlock reader does)."""
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -46,46 +46,38 @@ class SharedMemoryPath:
         self,
         handle: KVHandle,
         first_block: int,
-        on_call: Callable[[grpc.Call], object] | None,
+        on_call: Callable[[grpc.Future], object] | None,
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """(block offset from `first_block`, a view of the source's cache: one run of its
-        consecutive blocks) in order. A view is valid only until the next one is asked for: the
-        caller copies it first (the source's lease is held meanwhile). Raises grpc.RpcError,
-        KVTransferError (the pull ended before the copy did: what was copied is unusable)."""
-        messages: queue.SimpleQueue[worker_pb2.KVSharedPull | None] = queue.SimpleQueue()
-        messages.put(
-            worker_pb2.KVSharedPull(
-                pull=worker_pb2.PullKVRequest(
-                    handle=handle_to_proto(handle, self.address), first_block=first_block
-                )
-            )
+        consecutive blocks) in order, read with no call first; then one ConfirmKVCopy, which
+        makes what the caller copied good. A view is valid only until the next is asked for:
+        the caller copies each first. Raises grpc.RpcError (NOT_FOUND: the transfer ended
+        before the confirmation, so discard the copy), KVTransferError."""
+        block_ids = list(handle.block_ids[first_block:])
+        if block_ids and max(block_ids) >= self.kv.shape[2]:
+            raise KVTransferError(f"block ids of {handle.request_id!r} past the segment")
+        offset = 0
+        for start, n in block_runs(block_ids):
+            yield offset, self.kv[:, :, start : start + n]
+            offset += n
+        confirm = self._stub.ConfirmKVCopy.future(
+            worker_pb2.PullKVRequest(
+                handle=handle_to_proto(handle, self.address), first_block=first_block
+            ),
+            timeout=self.timeout_s,
         )
-        call = self._stub.PullKVShared(iter(messages.get, None), timeout=self.timeout_s)
         if on_call is not None:
-            on_call(call)
+            on_call(confirm)
         try:
-            grant = next(call)
-            block_ids = list(grant.block_ids)
-            if block_ids != list(handle.block_ids[first_block:]):
-                raise KVTransferError(
-                    f"shared-memory pull of {handle.request_id!r}: the source granted blocks "
-                    f"{block_ids}, not the handle's",
-                    "failed",
-                )
-            if block_ids and max(block_ids) >= self.kv.shape[2]:
-                raise KVTransferError(f"block ids of {handle.request_id!r} past the segment")
-            offset = 0
-            for start, n in block_runs(block_ids):
-                yield offset, self.kv[:, :, start : start + n]
-                offset += n
-            messages.put(worker_pb2.KVSharedPull(copied=True))
-            done = next(call, None)
-        finally:
-            messages.put(None)  # ends the request stream (and so the call) on every path
-        if done is None or not done.done:
+            confirmed = confirm.result()
+        except grpc.FutureCancelledError:
             raise KVTransferError(
-                f"shared-memory pull of {handle.request_id!r} from {self.address} ended before "
-                "its copy did",
+                f"shared-memory copy of {handle.request_id!r} cancelled", "cancelled"
+            ) from None
+        if confirmed.num_blocks != len(block_ids):
+            raise KVTransferError(
+                f"shared-memory copy of {handle.request_id!r}: the source confirmed "
+                f"{confirmed.num_blocks} of {len(block_ids)} blocks",
                 "failed",
             )
 

@@ -137,21 +137,11 @@ class SharedKVSegment(_message.Message):
     num_blocks: int
     def __init__(self, name: _Optional[str] = ..., token: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
-class KVSharedPull(_message.Message):
-    __slots__ = ("pull", "copied")
-    PULL_FIELD_NUMBER: _ClassVar[int]
-    COPIED_FIELD_NUMBER: _ClassVar[int]
-    pull: PullKVRequest
-    copied: bool
-    def __init__(self, pull: _Optional[_Union[PullKVRequest, _Mapping]] = ..., copied: _Optional[bool] = ...) -> None: ...
-
-class KVSharedGrant(_message.Message):
-    __slots__ = ("block_ids", "done")
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    DONE_FIELD_NUMBER: _ClassVar[int]
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    done: bool
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ...) -> None: ...
+class ConfirmKVCopyResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class KVGroupRequest(_message.Message):
     __slots__ = ("engine_id",)

@@ -512,10 +512,10 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
-        self.PullKVShared = channel.stream_stream(
-                '/pdserve.v1.KVTransfer/PullKVShared',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.KVSharedPull.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KVSharedGrant.FromString,
+        self.ConfirmKVCopy = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/ConfirmKVCopy',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.PullKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.ConfirmKVCopyResponse.FromString,
                 _registered_method=True)
         self.OpenKVGroup = channel.unary_stream(
                 '/pdserve.v1.KVTransfer/OpenKVGroup',
@@ -564,11 +564,11 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def PullKVShared(self, request_iterator, context):
-        """Same host (the handshake offered a shared-memory segment): the caller sends a pull, gets
-        the pinned block ids, copies them out of the mapped segment and sends `copied`; the pull
-        holds the lease until then (at most the caller's deadline). The last answer says whether
-        the copy is good (done = true), else the blocks may have been freed meanwhile.
+    def ConfirmKVCopy(self, request, context):
+        """Same host (the handshake offered a shared-memory segment): the caller has copied the
+        handle's blocks out of the mapped segment; answers once the transfer is still live (it was,
+        then, all along: a pin ends only with its transfer), which makes the copy good. NOT_FOUND
+        when it ended meanwhile (the copy may hold freed blocks: discard it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -615,10 +615,10 @@ def add_KVTransferServicer_to_server(servicer, server):
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseKVResponse.SerializeToString,
             ),
-            'PullKVShared': grpc.stream_stream_rpc_method_handler(
-                    servicer.PullKVShared,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KVSharedPull.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KVSharedGrant.SerializeToString,
+            'ConfirmKVCopy': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfirmKVCopy,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.PullKVRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.ConfirmKVCopyResponse.SerializeToString,
             ),
             'OpenKVGroup': grpc.unary_stream_rpc_method_handler(
                     servicer.OpenKVGroup,
@@ -752,7 +752,7 @@ class KVTransfer:
             _registered_method=True)
 
     @staticmethod
-    def PullKVShared(request_iterator,
+    def ConfirmKVCopy(request,
             target,
             options=(),
             channel_credentials=None,
@@ -762,12 +762,12 @@ class KVTransfer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
+        return grpc.experimental.unary_unary(
+            request,
             target,
-            '/pdserve.v1.KVTransfer/PullKVShared',
-            pdserve_dot_v1_dot_worker__pb2.KVSharedPull.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.KVSharedGrant.FromString,
+            '/pdserve.v1.KVTransfer/ConfirmKVCopy',
+            pdserve_dot_v1_dot_worker__pb2.PullKVRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.ConfirmKVCopyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,9 +35,12 @@ class KVSource(ABC):
         """This engine's model and KV layout, for handshakes."""
 
     @abstractmethod
-    def read_kv(self, handle: KVHandle, first_block: int = 0) -> torch.Tensor:
+    def read_kv(
+        self, handle: KVHandle, first_block: int = 0, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """K/V of the handle's blocks from `first_block` on:
-        [num_layers, 2, len(block_ids) - first_block, block_size, num_kv_heads, head_dim].
+        [num_layers, 2, len(block_ids) - first_block, block_size, num_kv_heads, head_dim]
+        (written into `out`, contiguous and of that shape and dtype, when given).
 
         Raises RequestNotFoundError if the handle was already released, InvalidRequestError for a
         `first_block` outside the handle.

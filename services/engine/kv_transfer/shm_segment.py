@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -111,7 +112,14 @@ class SharedSegment:
         try:
             os.fchmod(fd, 0o600)
             total = HEADER_BYTES + nbytes
-            os.posix_fallocate(fd, 0, total)
+            room = os.statvfs(directory)
+            if room.f_bavail * room.f_frsize < total:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"{directory} has {room.f_bavail * room.f_frsize} bytes free, the KV cache "
+                    f"needs {total}",
+                )
+            os.ftruncate(fd, total)  # pages are committed as the cache uses them
             buffer = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)

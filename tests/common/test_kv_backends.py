@@ -1,0 +1,81 @@
+"""The one-node KV data paths' units: shared-memory segments (private, exclusive, token-checked,
+swept once their owner is dead) and the choice of a data path from a handshake."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from services.common.kv_backends.choice import choose
+from services.engine.errors import KVHandshakeError
+from services.engine.kv_transfer.shm_segment import (
+    SharedSegment,
+    segment_name,
+    sweep_dead_segments,
+)
+
+
+def test_a_segment_is_private_exclusive_and_shares_its_bytes(tmp_path):
+    segment = SharedSegment.create("engine-a", 4096 * 3, directory=tmp_path)
+    assert stat.S_IMODE(os.stat(segment.path).st_mode) == 0o600
+    assert segment.name == segment_name("engine-a")
+    with pytest.raises(FileExistsError):  # O_EXCL: never reuses a name
+        SharedSegment.create("engine-a", 4096, directory=tmp_path)
+    data = segment.tensor((3, 1024), torch.float32)
+    data.copy_(torch.arange(3 * 1024, dtype=torch.float32).view(3, 1024))
+    reader = SharedSegment.open(segment.name, segment.token, segment.nbytes, directory=tmp_path)
+    assert torch.equal(reader.tensor((3, 1024), torch.float32), data)
+    segment.unlink()
+    assert not segment.path.exists()
+
+
+def test_a_reader_refuses_a_wrong_token_size_or_mode(tmp_path):
+    segment = SharedSegment.create("engine-b", 8192, directory=tmp_path)
+    with pytest.raises(OSError, match="not the segment the source offered"):
+        SharedSegment.open(segment.name, b"x" * 32, 8192, directory=tmp_path)
+    with pytest.raises(OSError, match="holds"):
+        SharedSegment.open(segment.name, segment.token, 4096, directory=tmp_path)
+    os.chmod(segment.path, 0o644)
+    with pytest.raises(OSError, match="not private"):
+        SharedSegment.open(segment.name, segment.token, 8192, directory=tmp_path)
+    with pytest.raises(OSError, match="not a pdserve KV segment"):
+        SharedSegment.open("../etc/passwd", segment.token, 8192, directory=tmp_path)
+
+
+def test_the_sweep_removes_only_segments_of_dead_processes(tmp_path):
+    alive = SharedSegment.create("engine-c", 4096, directory=tmp_path)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    orphan = tmp_path / segment_name("engine-d", pid=int(dead.stdout))
+    orphan.write_bytes(b"\0" * 4096)
+    (tmp_path / "unrelated").write_bytes(b"")
+    assert sweep_dead_segments(tmp_path) == [orphan.name]
+    assert alive.path.exists() and (tmp_path / "unrelated").exists()
+
+
+@pytest.mark.parametrize(
+    ("wanted", "offered", "opens", "local", "source", "same_node", "chosen"),
+    [
+        ("auto", ("shared_memory", "torch_dist"), True, "cpu", "cpu", True, "shared_memory"),
+        ("auto", ("shared_memory", "torch_dist"), False, "cpu", "cpu", True, "grpc"),
+        ("auto", ("torch_dist",), False, "cuda", "cuda", True, "torch_dist"),
+        ("auto", ("torch_dist",), False, "cuda", "cuda", False, "grpc"),  # another node
+        ("torch_dist", ("torch_dist",), False, "cpu", "cpu", True, "torch_dist"),  # gloo
+        ("grpc", ("shared_memory", "torch_dist"), True, "cpu", "cpu", True, "grpc"),
+    ],
+)
+def test_the_data_path_choice(wanted, offered, opens, local, source, same_node, chosen):
+    assert choose(wanted, offered, opens, local, source, same_node) == chosen
+
+
+def test_a_forced_path_that_cannot_be_used_fails_naming_the_flag():
+    with pytest.raises(KVHandshakeError, match="--kv-transfer-backend shared_memory: the source"):
+        choose("shared_memory", (), False, "cpu", "cpu", True)
+    with pytest.raises(KVHandshakeError, match="--kv-transfer-backend torch_dist: it cannot"):
+        choose("torch_dist", ("torch_dist",), False, "cpu", "cpu", False)
