@@ -1,17 +1,15 @@
-"""KV transfer over gRPC, destination side: the engine's `KVReceiver` between processes (the
-source side is the prefill worker's `KVSender`, served by `kv_transfer_service.py`).
+"""KV transfer between processes, destination side: the engine's `KVReceiver` (the source side
+is the prefill worker's `KVSender`, served by `kv_transfer_service.py`).
 
 Pull model (as vLLM's NixlConnector): the prefill worker keeps a request's blocks pinned under a
 lease and serves them from its `KVTransfer` service. A decode worker handshakes once per prefill
 engine (model id and KV layout must match, else FAILED_PRECONDITION on both sides), pulls the
-blocks in chunks of at most 4 MiB of tensor bytes, renews the leases of every request it still
-wants from a background thread (every lease/3 seconds), and releases each request's pin with
-`ReleaseKV` once its KV has landed. Every call has a deadline: a stalled source fails the pull
-with DEADLINE_EXCEEDED after `timeout_s`, a dead one with UNAVAILABLE.
-
-gRPC is the control plane of every backend; the blocks themselves take the data path chosen at
-the handshake (`kv_backends/`): PullKV messages, the source's shared-memory segment on the same
-host, or a torch.distributed group between GPU workers of one node.
+blocks over the data path the handshake chose (`kv_backends/`: PullKV chunks of at most 4 MiB,
+the source's shared-memory segment, or a torch.distributed group), renews the leases of every
+request it still wants from a background thread (every lease/3 seconds), and releases each
+request's pin with `ReleaseKV` once its KV has landed: gRPC is every path's control plane.
+Every call has a deadline: a stalled source fails the pull with DEADLINE_EXCEEDED after
+`timeout_s`, a dead one with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -124,9 +122,6 @@ class GrpcKVReceiver(KVReceiver):
     def _channel(self, address: str) -> grpc.Channel:
         return self._channels.get(address)
 
-    def _stub(self, address: str) -> worker_pb2_grpc.KVTransferStub:
-        return worker_pb2_grpc.KVTransferStub(self._channel(address))
-
     def _failure(
         self, request_id: str, address: str, exc: grpc.RpcError, what: str
     ) -> KVTransferError:
@@ -152,7 +147,9 @@ class GrpcKVReceiver(KVReceiver):
             model_id=model_id, layout=layout, engine_id=self.engine_id
         )
         try:
-            reply = self._stub(address).Handshake(request, timeout=HANDSHAKE_TIMEOUT_S)
+            reply = worker_pb2_grpc.KVTransferStub(self._channel(address)).Handshake(
+                request, timeout=HANDSHAKE_TIMEOUT_S
+            )
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 metrics.KV_TRANSFER_FAILURES.labels(self.role, "handshake").inc()
@@ -220,7 +217,7 @@ class GrpcKVReceiver(KVReceiver):
                 by_address.setdefault(address, []).append(request_id)
         for address, request_ids in by_address.items():
             try:
-                self._stub(address).RenewKVLease(
+                worker_pb2_grpc.KVTransferStub(self._channel(address)).RenewKVLease(
                     worker_pb2.RenewKVLeaseRequest(request_ids=request_ids),
                     timeout=HANDSHAKE_TIMEOUT_S,
                 )
@@ -236,7 +233,6 @@ class GrpcKVReceiver(KVReceiver):
         return False
 
     def pull(self, handle: KVHandle, first_block: int = 0) -> list[torch.Tensor]:
-        # Copies: a shared-memory piece is a view of the source's live cache.
         return [piece.clone() for _, piece in self.pull_chunks(handle, first_block)]
 
     def pull_chunks(
@@ -245,14 +241,13 @@ class GrpcKVReceiver(KVReceiver):
         first_block: int = 0,
         on_call: Callable[[grpc.Call], object] | None = None,
     ) -> Iterator[tuple[int, torch.Tensor]]:
-        """(block offset from `first_block`, KV of the next blocks) as each chunk arrives,
+        """(block offset from `first_block`, KV of the next blocks) as each piece arrives,
         [num_layers, 2, n, block_size, num_kv_heads, head_dim], read-only and valid only until
-        the next is asked for (a view of a received message, or of the source's shared-memory
-        cache while the pull holds its lease): copy each before the next. Together they cover
-        the handle's blocks from `first_block` on, in order. `on_call(call)` gets the pull's
-        call as it starts (something with `cancel()`, to cancel it from elsewhere).
-        Raises KVTransferError (the stream failed, stalled past `timeout_s`, was cancelled or
-        was malformed)."""
+        the next is asked for (a view of a received message, a staging buffer, or the source's
+        shared-memory cache, whose copy the path confirms after the last): copy each first.
+        Together they cover the handle's blocks from `first_block` on, in order. `on_call(c)`
+        gets the path's call as it starts (`c.cancel()` cancels it). Raises KVTransferError
+        (the pull failed, stalled past `timeout_s`, was cancelled or was malformed)."""
         if first_block >= len(handle.block_ids):
             return  # the destination's prefix cache holds every block
         address = self._address(handle)

@@ -44,6 +44,7 @@ class Backend:
     want: Callable[[KVHandle], None]  # tell the receiver where a handle's KV lives
     kill: Callable[[], None]  # the source side dies
     address: str = ""  # the source's KVTransfer service, if it has one
+    groups: Callable[[], int] = lambda: 0  # torch.distributed groups the source holds open
 
     def publish(self, request_id: str, num_tokens: int = 37) -> KVHandle:
         prompt = list(range(3, 3 + num_tokens))
@@ -55,11 +56,11 @@ class Backend:
         return out.kv_handle
 
 
-Ends = Iterator[tuple[KVReceiver, Callable, Callable, str]]
+Ends = Iterator[tuple[KVReceiver, Callable, Callable, str, Callable[[], int]]]
 
 
 def _in_memory(name, prefill, sender) -> Ends:
-    yield InMemoryKVReceiver(sender), lambda handle: None, sender.close, ""
+    yield InMemoryKVReceiver(sender), lambda handle: None, sender.close, "", lambda: 0
 
 
 def _service(prefill, sender):
@@ -92,6 +93,7 @@ def _grpc(name, prefill, sender) -> Ends:
             lambda h: receiver.set_source(h.request_id, service.grpc_address),
             lambda: service.server.stop(0).wait(),
             service.grpc_address,
+            lambda: 0,
         )
     finally:
         receiver.close()
@@ -121,6 +123,7 @@ def _remote(name, prefill, sender) -> Ends:
             lambda h: receiver.set_source(h.request_id, service.grpc_address),
             kill,
             service.grpc_address,
+            lambda: len(servicer._groups),
         )
     finally:
         servicer.close_groups()
@@ -152,9 +155,9 @@ def _backend(name: str, model: str, **engine) -> Iterator[Backend]:
         model, role=EngineRole.PREFILL, num_blocks=128, block_size=4, kv_sender=sender, **engine
     )
     ends = BACKENDS[name](name, prefill, sender)
-    receiver, want, kill, address = next(ends)
+    receiver, want, kill, address, groups = next(ends)
     try:
-        yield Backend(name, prefill, sender, receiver, clock, want, kill, address)
+        yield Backend(name, prefill, sender, receiver, clock, want, kill, address, groups)
     finally:
         ends.close()
         sender.close()
@@ -269,14 +272,17 @@ def test_bytes_round_trip_exactly_in_every_dtype_between_two_processes(name, dty
 
 @pytest.mark.parametrize("name", ["remote_shared_memory", "remote_torch_dist"])
 def test_a_sigkilled_destination_leaves_no_pin_or_segment(name, tiny_llama):
-    """The receiving process dies (SIGKILL) holding a pull: the source's pull ends with its
-    call, the lease frees the pin, and the source's segment goes with its close."""
+    """The receiving process dies (SIGKILL) mid-pull: the lease frees the pin, the pair's
+    process group is torn down with its OpenKVGroup call, and the source's segment goes with
+    its close."""
     before = count_segments()
     with _backend(name, tiny_llama) as backend:
         assert count_segments() == before + (name == "remote_shared_memory")
         handle = backend.publish("r")
         backend.receiver.hold(handle)
+        assert backend.groups() == (name == "remote_torch_dist")
         backend.receiver.kill()
+        _wait_for(lambda: backend.groups() == 0)
         _wait_for(lambda: backend.sender.status("r") == TransferStatus.PUBLISHED)
         backend.clock.now += LEASE_S + 1
         assert backend.sender.expire_leases() == ["r"]
