@@ -30,6 +30,7 @@ from services.common.convert import (
 )
 from services.common.kv_backends.choice import DataPath, open_path
 from services.common.kv_backends.grpc_path import GrpcPath
+from services.common.kv_lease_renewal import HANDSHAKE_TIMEOUT_S, LeaseRenewal
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.engine.errors import (
     KVHandshakeError,
@@ -45,12 +46,9 @@ from services.engine.kv_transfer.shm_segment import sweep_dead_segments
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_S = 5.0
-RENEW_TICK_S = 0.05
-
 
 @register_receiver("grpc")
-class GrpcKVReceiver(KVReceiver):
+class GrpcKVReceiver(LeaseRenewal, KVReceiver):
     """The destination side: control over gRPC, blocks over the data path chosen per source
     (`backend`) (the source side is the prefill worker's `KVSender`,
     served by `kv_transfer_service.KVTransferServicer`).
@@ -169,6 +167,7 @@ class GrpcKVReceiver(KVReceiver):
         with self._lock:
             self._peers[(address, handle.engine_id)] = reply.lease_seconds or DEFAULT_LEASE_S
             self._paths[(address, handle.engine_id)] = path
+        self._lost(address, keep=handle.engine_id)  # a predecessor at this address is gone
 
     def _path(self, address: str, engine_id: str) -> DataPath:
         """The data path the handshake chose; PullKV for a source not handshaken with."""
@@ -176,54 +175,26 @@ class GrpcKVReceiver(KVReceiver):
             path = self._paths.get((address, engine_id))
         return path or GrpcPath(self._channel(address), address, self.timeout_s)
 
-    def _lost(self, address: str, engine_id: str) -> None:
-        """The source stopped answering: forget it (a restarted one handshakes afresh) and,
-        if it shared memory, remove the segments dead workers left."""
+    def _lost(self, address: str, keep: str | None = None) -> None:
+        """Forget the engines at `address` but `keep` (it stopped answering, or another engine
+        answers there): no mapping keeps a dead worker's segment alive; sweep dead segments."""
         with self._lock:
-            self._peers.pop((address, engine_id), None)
-            path = self._paths.pop((address, engine_id), None)
-        if path is not None:
+            gone = {key for key in {**self._paths, **self._peers} if key[0] == address} - {
+                (address, keep)
+            }
+            paths = [self._paths.pop(key) for key in gone if key in self._paths]
+            for key in gone:
+                self._peers.pop(key, None)
+        for path in paths:
             path.close()
-            if path.name == "shared_memory":
-                sweep_dead_segments()
+        if any(path.name == "shared_memory" for path in paths):
+            sweep_dead_segments()
 
     def _address(self, handle: KVHandle) -> str:
         address = self._addresses.get(handle.request_id)
         if address is None:
             raise RequestNotFoundError(f"no source address for request {handle.request_id!r}")
         return address
-
-    # -- lease renewal -------------------------------------------------------------------------
-
-    def _renew_interval(self) -> float:
-        """A third of the shortest lease any source granted: two renewals may fail in a row."""
-        with self._lock:
-            leases = list(self._peers.values())
-        return min([DEFAULT_LEASE_S, *leases]) / 3
-
-    def _renew_loop(self) -> None:
-        last = time.monotonic()
-        # A tick, so that a shorter lease learned later counts at once.
-        while not self._stop.wait(RENEW_TICK_S):
-            if time.monotonic() - last >= self._renew_interval():
-                last = time.monotonic()
-                self.renew_leases()
-
-    def renew_leases(self) -> None:
-        """Renew, at each source, the lease of every request this worker still wants."""
-        with self._lock:
-            by_address: dict[str, list[str]] = {}
-            for request_id, address in self._addresses.items():
-                by_address.setdefault(address, []).append(request_id)
-        for address, request_ids in by_address.items():
-            try:
-                worker_pb2_grpc.KVTransferStub(self._channel(address)).RenewKVLease(
-                    worker_pb2.RenewKVLeaseRequest(request_ids=request_ids),
-                    timeout=HANDSHAKE_TIMEOUT_S,
-                )
-            except grpc.RpcError as exc:  # the pull itself reports a dead source
-                count, code = len(request_ids), exc.code().name
-                logger.debug("renewing %d leases at %s failed: %s", count, address, code)
 
     # -- pulls ---------------------------------------------------------------------------------
 
@@ -265,11 +236,11 @@ class GrpcKVReceiver(KVReceiver):
                 yield offset, piece
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self._lost(address, handle.engine_id)
+                self._lost(address)
             raise self._failure(handle.request_id, address, exc, "pulling KV") from None
         except KVTransferError as exc:
             if exc.reason == "unavailable":
-                self._lost(address, handle.engine_id)
+                self._lost(address)
             raise
         self.bytes_transferred += nbytes
         metrics.KV_TRANSFER_BYTES.labels(self.role, path.name).inc(nbytes)
