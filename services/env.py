@@ -17,3 +17,9 @@ def cache_dir() -> Path:
     root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def triton_interpret() -> bool:
+    """Whether Triton kernels run in Triton's CPU interpreter (`TRITON_INTERPRET=1`, which
+    Triton itself reads): the Triton attention backend then runs on the CPU, for tests."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

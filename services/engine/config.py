@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
-ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_paged")
+ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_paged", "triton", "flex", "flash_attn")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_KV_LEASE_S = 30.0
 
@@ -76,8 +76,10 @@ class EngineConfig:
     enable_kv_events: bool = field(default=False, metadata=flag(cli=False))
     """Record prefix-cache events (blocks stored / removed) for `Engine.take_kv_events`."""
     attention_backend: str = field(default="auto", metadata=flag(choices=ATTENTION_BACKENDS))
-    """"torch_sdpa" (pure torch), "cpu_paged" (C++ paged decode kernel) or "auto" (cpu_paged on
-    the CPU when its kernel builds, else torch_sdpa)."""
+    """"torch_sdpa", "cpu_paged" (C++ decode kernel, CPU), "triton", "flex" (FlexAttention),
+    "flash_attn" (block_size a multiple of 256), or "auto": on the CPU cpu_paged when its kernel
+    builds, else torch_sdpa; on CUDA flash_attn where it imports and the block size allows, else
+    triton, else flex."""
     kv_transfer_timeout_s: float = field(default=30.0, metadata=flag(name="kv-transfer-timeout"))
     """DECODE role: seconds a request may wait for its prompt KV (blocks to reserve, then the
     pull) before it fails; the destination of a stalled transfer gives up after this long."""

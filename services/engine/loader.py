@@ -121,13 +121,16 @@ def check_model_config(hf_config: Any, max_model_len: int) -> None:
 def load_model(path: str, config: EngineConfig) -> tuple[PagedLlamaForCausalLM, Any]:
     """(our paged forward around the transformers weights, the transformers config).
 
-    Raises ValueError naming `device` (CUDA asked for but absent), `model` (unsupported
-    architecture) or `max_model_len` (beyond the model's sliding window).
+    The attention backend must pass its start-up self-test against torch SDPA
+    (`attention/self_test.py`). Raises ValueError naming `device` (CUDA asked for but absent),
+    `model` (unsupported architecture), `max_model_len` (beyond the model's sliding window) or
+    `attention_backend`, and AttentionSelfTestError when the backend disagrees with SDPA.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from services.engine.attention import get_attention_backend
+    from services.engine.attention.self_test import self_test
     from services.engine.models import MODEL_REGISTRY
 
     if config.device.startswith("cuda") and not torch.cuda.is_available():
@@ -138,9 +141,19 @@ def load_model(path: str, config: EngineConfig) -> tuple[PagedLlamaForCausalLM, 
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=config.torch_dtype)
     hf_model.eval().to(config.device)
     family = MODEL_REGISTRY[hf_model.config.model_type]
-    return family(
-        hf_model, get_attention_backend(config.attention_backend, config.device)
-    ), hf_config
+    attention = get_attention_backend(config.attention_backend, config.device, config.block_size)
+    model = family(hf_model, attention)
+    if attention.name != "torch_sdpa":  # the reference needs no check against itself
+        self_test(
+            attention,
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            block_size=config.block_size,
+            dtype=config.torch_dtype,
+            device=config.device,
+        )
+    return model, hf_config
 
 
 def eos_token_id(hf_config: Any, tokenizer: Tokenizer | None) -> int | None:
