@@ -13,6 +13,7 @@ pattern.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -68,6 +69,20 @@ def bound_ports(config: object, ready: dict) -> object:
     if ready.get("http") and hasattr(config, "http_port"):
         changes["http_port"] = _port(ready["http"])
     return dataclasses.replace(config, **changes)  # type: ignore[type-var]
+
+
+def new_engine_identity(config: object) -> object:
+    """A worker config (one with an `engine`) under a fresh engine_id, same role and index: a
+    restarted process is another engine, with an empty cache and new KV segments, and its peers
+    must see it as such (a decode worker keyed by the old id would keep reading the dead
+    worker's shared-memory mapping). Other configs come back unchanged."""
+    engine = getattr(config, "engine", None)
+    if engine is None:
+        return config
+    stem, _, tail = engine.engine_id.rpartition("-")
+    stem = stem if stem and len(tail) == 12 else engine.engine_id
+    engine = dataclasses.replace(engine, engine_id=f"{stem}-{uuid.uuid4().hex[:12]}")
+    return dataclasses.replace(config, engine=engine)  # type: ignore[type-var]
 
 
 def _port(address: str) -> int:

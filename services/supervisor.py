@@ -30,7 +30,7 @@ from services.children import Child, ChildSpec, Pipes
 from services.common.logs import ENV as LOG_ENV
 from services.launcher import ClusterSpec, child_spec
 from services.prometheus_targets import target_groups, write_targets
-from services.restarts import RestartPolicy, bound_ports
+from services.restarts import RestartPolicy, bound_ports, new_engine_identity
 
 READY_PREFIX = "ready "
 logger = logging.getLogger("pdserve.serve")
@@ -199,10 +199,14 @@ class Supervisor:
         return 0
 
     def _restart(self, dead: Child) -> None:
-        """Starts `dead`'s service again on the ports it had bound, in its place."""
+        """Starts `dead`'s service again on the ports it had bound, in its place, as a new engine
+        (`restarts.new_engine_identity`)."""
         spec = dead.spec
-        if dead.info is not None and spec.config is not None:  # the ports it bound (0 = any)
-            spec = child_spec(spec.name, spec.role, bound_ports(spec.config, dead.info), spec.env)
+        if spec.config is not None:
+            config = spec.config
+            if dead.info is not None:  # the ports it bound (0 = any)
+                config = bound_ports(config, dead.info)
+            spec = child_spec(spec.name, spec.role, new_engine_identity(config), spec.env)
         child = self._start(spec, replacing=dead)
         _say(f"{spec.name} restarted (pid {child.proc.pid})")
 

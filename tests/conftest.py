@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Triton kernels run in Triton's CPU interpreter here (the Triton attention backend's CPU tests).
+# Triton reads this when triton.language is first imported, which importing torch may do, so
+# it is set before anything else; scripts/gpu_check.sh sets it to 0 to compile for the GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -4,6 +4,7 @@ and restarts of a child that dies while serving (`services/supervisor.py`, `rest
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -280,3 +281,19 @@ def test_bound_ports_pin_what_the_first_start_bound():
         RouterConfig(port=0, http_port=0), {**ready, "http": "http://127.0.0.1:8001"}
     )
     assert (router.port, router.metrics_port, router.http_port) == (41234, 41235, 8001)
+
+
+def test_a_restarted_worker_is_a_new_engine():
+    from services.common.config import DecodeConfig, RouterConfig
+    from services.engine.config import EngineConfig
+    from services.restarts import new_engine_identity
+
+    worker = DecodeConfig(engine=EngineConfig(engine_id="decode-0-0123456789ab"))
+    restarted = new_engine_identity(worker)
+    assert restarted.engine.engine_id.startswith("decode-0-")
+    assert restarted.engine.engine_id != worker.engine.engine_id
+    assert len(restarted.engine.engine_id) == len(worker.engine.engine_id)
+    assert dataclasses.replace(restarted, engine=worker.engine) == worker  # nothing else moved
+    named = new_engine_identity(DecodeConfig(engine=EngineConfig(engine_id="mine")))
+    assert named.engine.engine_id.startswith("mine-")
+    assert new_engine_identity(RouterConfig()) == RouterConfig()

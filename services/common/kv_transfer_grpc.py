@@ -162,11 +162,20 @@ class GrpcKVReceiver(LeaseRenewal, KVReceiver):
             raise KVHandshakeError(str(exc)) from None
         if reply.engine_id != handle.engine_id:  # another process now listens at that address
             raise KVNotFoundError(f"{address} is engine {reply.engine_id}, not {handle.engine_id}")
-        path = open_path(self.backend, reply, self._channel(address), address, local.spec, self)
+        try:
+            path = open_path(self.backend, reply, self._channel(address), address, local.spec, self)
+        except KVHandshakeError as exc:  # a forced path this source cannot serve
+            metrics.KV_TRANSFER_FAILURES.labels(self.role, "handshake").inc()
+            logger.error("KV from %s: %s", address, exc)
+            raise KVHandshakeError(f"KV from {address}: {exc}") from None
+        key = (address, handle.engine_id)
+        with self._lock:  # two first pulls from one source race here: the first path stays
+            winner = self._paths.setdefault(key, path)
+            self._peers[key] = reply.lease_seconds or DEFAULT_LEASE_S
+        if winner is not path:
+            path.close()
+            return
         logger.info("KV from %s (%s) over %s", address, handle.engine_id, path.name)
-        with self._lock:
-            self._peers[(address, handle.engine_id)] = reply.lease_seconds or DEFAULT_LEASE_S
-            self._paths[(address, handle.engine_id)] = path
         self._lost(address, keep=handle.engine_id)  # a predecessor at this address is gone
 
     def _path(self, address: str, engine_id: str) -> DataPath:

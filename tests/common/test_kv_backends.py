@@ -59,6 +59,28 @@ def test_the_sweep_removes_only_segments_of_dead_processes(tmp_path):
     assert alive.path.exists() and (tmp_path / "unrelated").exists()
 
 
+def test_a_mapping_knows_when_its_owner_is_gone(tmp_path):
+    """A reader's mapping outlives the owner; `owner_alive` is what the shared-memory path checks
+    before trusting a copy (a successor at the address could confirm it otherwise)."""
+    script = (
+        "import sys; from pathlib import Path; "
+        "from services.engine.kv_transfer.shm_segment import SharedSegment; "
+        f"s = SharedSegment.create('engine-e', 4096, directory=Path({str(tmp_path)!r})); "
+        "s.tensor((1024,), __import__('torch').float32).fill_(7.0); "
+        "print(s.name, s.token.hex(), flush=True); sys.stdin.readline()"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    name, token = owner.stdout.readline().split()
+    reader = SharedSegment.open(name, bytes.fromhex(token), 4096, directory=tmp_path)
+    assert reader.owner_pid == owner.pid and reader.owner_alive()
+    owner.kill()
+    owner.wait()
+    assert not reader.owner_alive()
+    assert float(reader.tensor((1024,), torch.float32)[0]) == 7.0  # the pages are still there
+
+
 @pytest.mark.parametrize(
     ("wanted", "offered", "opens", "local", "source", "same_node", "chosen"),
     [

@@ -60,3 +60,52 @@ def test_serve_over_each_kv_backend_matches_the_reference_and_grpc(
     _OUTPUTS[backend] = tokens
     if "grpc" in _OUTPUTS:
         assert tokens == _OUTPUTS["grpc"], f"{backend} differs from the gRPC path"
+
+
+def test_a_restarted_prefill_worker_serves_over_its_own_new_segment(
+    tmp_path, default_model, real_text_ids
+):
+    """`serve` restarts a SIGKILLed prefill worker on its port: the decode worker must handshake
+    with the new engine and copy from its new segment, not keep reading the dead worker's
+    mapping (whose pages outlive it: answers would come back wrong, with no error)."""
+    import os
+    import signal
+    import time
+
+    from tests.e2e.cluster import pid_alive
+
+    prompts = [real_text_ids[5000 + 400 * i : 5300 + 400 * i] for i in range(3)]
+    log = tmp_path / "serve.log"
+    with log.open("w") as stderr:
+        serve = start(
+            "serve", "--port", "0", "--no-http", "--num-prefill", "1", "--num-decode", "1",
+            "--kv-cache-bytes", str(64 << 20), "--kv-transfer-backend", "shared_memory",
+            "--disaggregation", "always", stderr=stderr,
+        )  # fmt: skip
+    try:
+        stub = generation_stub(serve.ready["router"])
+
+        def generate(prompt):
+            request = generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt),
+                sampling=common_pb2.SamplingParams(
+                    max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True
+                ),
+            )
+            return [t for m in stub.Generate(request, timeout=120) for t in m.token_ids]
+
+        before = generate(prompts[0])
+        (prefill,) = [s for s in serve.ready["services"] if s["role"] == "prefill"]
+        os.kill(prefill["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while "prefill-0 is serving again" not in log.read_text():
+            assert time.monotonic() < deadline, "prefill-0 was not restarted"
+            time.sleep(0.2)
+        assert not pid_alive(prefill["pid"])
+        after = [generate(p) for p in prompts[1:]]
+    finally:
+        assert serve.stop(timeout=60) == 0
+    text = log.read_text()
+    assert text.count("over shared_memory") == 2, "one handshake per prefill engine"
+    for prompt, tokens in zip(prompts, [before, *after], strict=True):
+        assert_equivalent(tokens, hf_greedy(default_model, prompt, NUM_TOKENS), context="restart")

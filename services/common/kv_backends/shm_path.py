@@ -20,8 +20,8 @@ from services.engine.kv_transfer.shm_segment import SharedSegment
 
 
 class SharedMemoryPath:
-    """Copies from `segment` (the source's whole cache, mapped read-only) under PullKVShared
-    calls to `address` over `channel`, each bounded by `timeout_s`."""
+    """Copies from `segment` (the source's whole cache, mapped read-only), each copy confirmed
+    by a ConfirmKVCopy call to `address` over `channel`, bounded by `timeout_s`."""
 
     name = "shared_memory"
 
@@ -54,12 +54,14 @@ class SharedMemoryPath:
         the caller copies each first. Raises grpc.RpcError (NOT_FOUND: the transfer ended
         before the confirmation, so discard the copy), KVTransferError."""
         block_ids = list(handle.block_ids[first_block:])
+        self._check_owner(handle)
         if block_ids and max(block_ids) >= self.kv.shape[2]:
             raise KVTransferError(f"block ids of {handle.request_id!r} past the segment")
         offset = 0
         for start, n in block_runs(block_ids):
             yield offset, self.kv[:, :, start : start + n]
             offset += n
+        self._check_owner(handle)  # a successor at the address could confirm a stale copy
         confirm = self._stub.ConfirmKVCopy.future(
             worker_pb2.PullKVRequest(
                 handle=handle_to_proto(handle, self.address), first_block=first_block
@@ -79,6 +81,17 @@ class SharedMemoryPath:
                 f"shared-memory copy of {handle.request_id!r}: the source confirmed "
                 f"{confirmed.num_blocks} of {len(block_ids)} blocks",
                 "failed",
+            )
+
+    def _check_owner(self, handle: KVHandle) -> None:
+        """KVTransferError ("unavailable": the caller forgets this source and handshakes again)
+        when the process that owns the mapped segment is gone: its blocks are no one's now."""
+        if not self.segment.owner_alive():
+            raise KVTransferError(
+                f"shared-memory KV of {handle.request_id!r}: {self.address}'s segment "
+                f"{self.segment.name} belongs to a process that is gone (pid "
+                f"{self.segment.owner_pid})",
+                "unavailable",
             )
 
     def close(self) -> None:

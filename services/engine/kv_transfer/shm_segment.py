@@ -158,6 +158,16 @@ class SharedSegment:
             raise OSError(f"{path} is not the segment the source offered")
         return cls(path, buffer, token, nbytes, owner=False)
 
+    @property
+    def owner_pid(self) -> int:
+        """The process that created the segment (from its header)."""
+        return int(_HEADER.unpack(self._buffer[: _HEADER.size])[1])
+
+    def owner_alive(self) -> bool:
+        """Whether the creating process still runs. A mapping outlives its owner (the pages stay
+        until the last mapping goes), so a reader checks before trusting what it copies."""
+        return _pid_alive(self.owner_pid)
+
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The data bytes as a tensor of `shape` and `dtype` (read-only memory for a reader:
         copy from it, never write)."""
