@@ -166,6 +166,8 @@ def _metavar(name: str, hint: Any) -> str:
     """How --help shows a flag's value: PORT, N, SECONDS (every float field is one)."""
     if name.endswith("port"):
         return "PORT"
+    if name.endswith("utilization"):
+        return "FRACTION"
     return {int: "N", float: "SECONDS"}.get(hint, name.split("-")[-1].upper())
 
 

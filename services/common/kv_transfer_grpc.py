@@ -278,3 +278,11 @@ class TorchDistKVReceiver(GrpcKVReceiver):
     """A GrpcKVReceiver whose blocks come through a torch.distributed group per source."""
 
     default_backend = "torch_dist"
+
+
+@register_receiver("cuda_ipc")
+class CudaIpcKVReceiver(GrpcKVReceiver):
+    """A GrpcKVReceiver whose blocks are copied device to device out of the source's GPU memory
+    (CUDA IPC: same GPU or peer GPUs)."""
+
+    default_backend = "cuda_ipc"

@@ -1,8 +1,9 @@
 """KV transfer on one node, source side: the KVTransfer RPCs through which a prefill worker
 serves its blocks without putting them in gRPC messages (mixed into `KVTransferServicer`).
 
-- ConfirmKVCopy (same host, CPU): the receiver copies the blocks out of the cache's
-  shared-memory segment (`services/engine/kv_transfer/shared_memory.py`) with no call before,
+- ConfirmKVCopy (same host): the receiver copies the blocks out of the cache's shared-memory
+  segment (`services/engine/kv_transfer/shared_memory.py`; CPU) or out of its GPU memory
+  through CUDA IPC (`cuda_ipc.py`; same GPU or peer GPUs) with no call before,
   then asks whether the transfer is still live, which makes its copy good (optimistic reads
   validated after, as a seqlock reader does; one round trip per pull).
 - OpenKVGroup / SendKV (torch.distributed): one process group per decode worker, opened by it
@@ -92,7 +93,9 @@ class LocalKVPaths:
         self._stall(context)
         handle = self._check(request)
         num_blocks = len(self.sender.source(handle).pinned_blocks(handle, request.first_block))
-        self._count("shared_memory", handle, request.first_block)
+        # A source maps one kind of cache: its shared-memory segment (CPU) or its GPU memory.
+        mapped = "cuda_ipc" if getattr(self, "cuda_kv", None) is not None else "shared_memory"
+        self._count(mapped, handle, request.first_block)
         return worker_pb2.ConfirmKVCopyResponse(num_blocks=num_blocks)
 
     # -- torch.distributed ---------------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+import torch
 
 from services.common import metrics
 from services.common.convert import handle_from_proto, peer_info_from_proto, peer_info_to_proto
@@ -20,6 +21,7 @@ from services.common.kv_transfer_local import LocalKVPaths
 from services.common.kv_wire import encode_chunk
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.engine.errors import InvalidRequestError, KVHandshakeError
+from services.engine.kv_transfer.cuda_ipc import export_cuda_kv
 from services.engine.kv_transfer.handshake import KVPeerInfo, mismatches
 from services.engine.kv_transfer.sender import KVSender
 
@@ -55,6 +57,7 @@ class KVTransferServicer(LocalKVPaths, worker_pb2_grpc.KVTransferServicer):
         device: str = "cpu",
         dist_host: str = "127.0.0.1",
         group_timeout_s: float = 30.0,
+        cuda_kv: torch.Tensor | None = None,
     ) -> None:
         self.sender = sender
         self.on_engine = on_engine
@@ -69,6 +72,11 @@ class KVTransferServicer(LocalKVPaths, worker_pb2_grpc.KVTransferServicer):
         self.device_type = device.split(":")[0]
         self.dist_device = device if "torch_dist" in backends else None
         self.dist_host, self.group_timeout_s = dist_host, group_timeout_s
+        self.cuda_kv = cuda_kv if "cuda_ipc" in backends else None  # the cache, on CUDA
+        self.backends = tuple(
+            b for b in self.backends if b != "cuda_ipc" or self.cuda_kv is not None
+        )
+        self._cuda_ipc_export = ""
         self._groups = {}
 
     def Handshake(self, request, context):
@@ -92,7 +100,14 @@ class KVTransferServicer(LocalKVPaths, worker_pb2_grpc.KVTransferServicer):
             shared_memory=self._segment_offer(),
             device_type=self.device_type,
             node_id=node_id(),
+            cuda_ipc=self._cuda_ipc_offer(),
         )
+
+    def _cuda_ipc_offer(self) -> str:
+        """The cache's CUDA IPC export (made once), or "" where cuda_ipc is not served."""
+        if self.cuda_kv is not None and not self._cuda_ipc_export:
+            self._cuda_ipc_export = export_cuda_kv(self.cuda_kv).to_json()
+        return self._cuda_ipc_export
 
     def _segment_offer(self) -> worker_pb2.SharedKVSegment | None:
         if self.segment is None:

@@ -22,6 +22,7 @@ _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_paged", "triton", "flex", "flash_attn")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_KV_LEASE_S = 30.0
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class EngineRole(enum.Enum):
@@ -56,8 +57,17 @@ class EngineConfig:
     """Weights and KV cache dtype (default: float32 on the CPU, bfloat16 on CUDA)."""
     block_size: int = 16
     """Tokens per KV block."""
-    kv_cache_memory_bytes: int = field(default=1 << 30, metadata=flag(name="kv-cache-bytes"))
-    """Memory budget for K and V of all layers, in bytes; sets the number of blocks."""
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=flag(name="kv-cache-bytes"))
+    """Memory budget for K and V of all layers, in bytes; sets the number of blocks (default:
+    1 GiB on the CPU; on CUDA what --gpu-memory-utilization leaves after a profiling forward)."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: fraction of the device's memory this engine may use (weights, activations, KV
+    cache), as vLLM's flag; the KV cache gets what the rest leaves."""
+    enforce_eager: bool = False
+    """CUDA: run every decode step eagerly instead of replaying CUDA graphs."""
+    max_cuda_graph_batch_size: int = 256
+    """CUDA: the largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, then every 8
+    up to this or max_num_seqs); larger batches run eagerly."""
     num_blocks: int | None = None
     """Exact number of KV blocks; when set, the byte budget above is ignored."""
     max_model_len: int | None = None
@@ -111,11 +121,11 @@ class EngineConfig:
             "block_size",
             "max_num_seqs",
             "max_num_batched_tokens",
-            "kv_cache_memory_bytes",
             "max_num_waiting_for_kv",
+            "max_cuda_graph_batch_size",
         ):
             _check_positive_int(name, getattr(self, name))
-        for name in ("num_blocks", "max_model_len"):
+        for name in ("num_blocks", "max_model_len", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         for name in (
@@ -123,6 +133,7 @@ class EngineConfig:
             "enable_kv_events",
             "shuffle_free_blocks",
             "debug_recompute_prompt",
+            "enforce_eager",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
@@ -135,6 +146,13 @@ class EngineConfig:
                 f"attention_backend: expected one of {list(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
             )
+        utilization = self.gpu_memory_utilization
+        if (
+            isinstance(utilization, bool)
+            or not isinstance(utilization, (int, float))
+            or not (0 < utilization <= 1)
+        ):
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {utilization!r}")
         for name in ("kv_transfer_timeout_s", "kv_lease_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

@@ -16,6 +16,7 @@ from pathlib import Path
 from services.engine.admission import RequestChecker
 from services.engine.block_hash import BlockHash
 from services.engine.config import EngineConfig, EngineRole
+from services.engine.cuda_graphs import decode_graphs
 from services.engine.errors import InvalidRequestError, KVHandshakeError, RequestNotFoundError
 from services.engine.kv_cache import KVCache
 from services.engine.kv_events import KVEvent
@@ -27,6 +28,7 @@ from services.engine.kv_transfer.handshake import KVPeerInfo
 from services.engine.kv_transfer.in_memory import InMemoryKVReceiver
 from services.engine.kv_transfer.sender import KVSender
 from services.engine.loader import eos_token_id, load_model, model_id, model_limits, resolve_model
+from services.engine.memory import num_kv_blocks
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import KVReserved, RequestOutput
 from services.engine.remote_kv import RemoteKV
@@ -56,7 +58,7 @@ class Engine:
         self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
         self.model, hf_config = load_model(self.model_path, config)
         spec = self.model.kv_cache_spec(config.block_size, config.torch_dtype)
-        num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_cache_memory_bytes)
+        num_blocks = num_kv_blocks(config, spec, self.model)
         self.model_id = model_id(Path(self.model_path))
         self.kv_sender = kv_sender or KVSender(config.kv_lease_seconds)
         self.kv_cache = KVCache(
@@ -73,7 +75,12 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv_cache)
         self.reservations = KVReservations(config, self.kv_cache, self.scheduler)
         self.remote = RemoteKV(self.kv_cache, self.reservations, self.kv_receiver)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.device)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_cache,
+            config.device,
+            decode_graphs(config, self.model, self.kv_cache),
+        )
         self.tokenizer = Tokenizer.load(self.model_path)
         self.checker = RequestChecker(config, self.runner.vocab_size, num_blocks, self.tokenizer)
         self.eos_token_id = eos_token_id(hf_config, self.tokenizer)

@@ -18,6 +18,7 @@ from services.engine.sampler import TokenLogprobs, sample
 from services.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
+    from services.engine.cuda_graphs import DecodeGraphs
     from services.engine.models import PagedLlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -33,10 +34,18 @@ class ModelRunnerOutput:
 class ModelRunner:
     """Executes one scheduled step on the model; stateless apart from the model itself."""
 
-    def __init__(self, model: PagedLlamaForCausalLM, kv_cache: KVCache, device: str) -> None:
+    def __init__(
+        self,
+        model: PagedLlamaForCausalLM,
+        kv_cache: KVCache,
+        device: str,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
+        """`graphs`: CUDA graphs that run decode-only steps up to their largest size."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.graphs = graphs
         self.vocab_size: int = model.config.vocab_size
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -45,12 +54,24 @@ class ModelRunner:
         # Prefill chunks first, longest first (equal lengths side by side), then single-token
         # requests as one decode batch.
         items = sorted(out.scheduled, key=lambda s: (len(s.token_ids) == 1, -len(s.token_ids)))
-        input_ids, positions, meta, logits_rows = self._prepare(items)
         sampling = [(i, s, s.sample) for i, s in enumerate(items) if s.sample is not None]
-        logits_indices = torch.tensor([logits_rows[i] for i, _, _ in sampling], dtype=torch.long)
-        logits = self.model(
-            input_ids, positions, self.kv_cache, meta, logits_indices.to(self.device)
-        )
+        if self._graphed(items):
+            assert self.graphs is not None
+            rows = self.graphs.run(
+                [s.token_ids[0] for s in items],
+                [s.start_position for s in items],
+                [s.block_table for s in items],
+            )
+            index = torch.tensor([i for i, _, _ in sampling], dtype=torch.long, device=rows.device)
+            logits = rows.index_select(0, index)
+        else:
+            input_ids, positions, meta, logits_rows = self._prepare(items)
+            logits_indices = torch.tensor(
+                [logits_rows[i] for i, _, _ in sampling], dtype=torch.long
+            )
+            logits = self.model(
+                input_ids, positions, self.kv_cache, meta, logits_indices.to(self.device)
+            )
         tokens, logprobs = sample(logits, [row for _, _, row in sampling])
         return ModelRunnerOutput(
             sampled={s.request_id: tok for (_, s, _), tok in zip(sampling, tokens, strict=True)},
@@ -60,6 +81,14 @@ class ModelRunner:
                 if lp is not None
             },
             num_tokens_by_request={s.request_id: len(s.token_ids) for s in items},
+        )
+
+    def _graphed(self, items: list[ScheduledRequest]) -> bool:
+        """A decode-only step that a captured graph holds."""
+        return (
+            self.graphs is not None
+            and all(len(s.token_ids) == 1 for s in items)
+            and self.graphs.padded_size(len(items)) is not None
         )
 
     def _prepare(self, items: list[ScheduledRequest]):

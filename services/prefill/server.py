@@ -98,7 +98,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
         else KVSender(config.engine.kv_lease_seconds)
     )
     engine = Engine(config.engine_config(), kv_sender=sender)
-    offered = offered_backends(backend, sender)
+    offered = offered_backends(backend, sender, device)
     logger.info("KV transfer: --kv-transfer-backend %s, serving %s", backend, offered)
     loop = EngineLoop(engine, "prefill")
 
@@ -118,6 +118,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
         backends=offered[1:],
         device=config.engine.device,
         dist_host=config.host if config.host not in ("", "0.0.0.0", "::") else "127.0.0.1",
+        cuda_kv=engine.kv_cache.kv if "cuda_ipc" in offered else None,
     )
     service = start_service(
         "prefill",
@@ -152,18 +153,24 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     return worker
 
 
-def offered_backends(backend: str, sender: KVSender) -> tuple[str, ...]:
+def offered_backends(backend: str, sender: KVSender, device: str = "cpu") -> tuple[str, ...]:
     """The data paths a prefill worker serves under `--kv-transfer-backend backend`: gRPC
-    always (the fallback), shared memory when its cache is in a segment, torch.distributed.
-    Raises ValueError naming the flag when a forced one cannot be served."""
+    always (the fallback), shared memory when its cache is in a segment, CUDA IPC when it is on
+    a GPU, torch.distributed. Raises ValueError naming the flag when a forced one cannot be
+    served."""
     shared = getattr(sender, "segment", None) is not None
+    on_cuda = device.startswith("cuda")
     if backend == "shared_memory" and not shared:
         raise ValueError(
             "kv_transfer_backend: shared_memory needs the KV cache in /dev/shm on the CPU "
             "(see the warning above for why it is not)"
         )
-    wanted = {"auto": ("shared_memory", "torch_dist"), "grpc": ()}.get(backend, (backend,))
-    return ("grpc", *(b for b in wanted if b != "shared_memory" or shared))
+    if backend == "cuda_ipc" and not on_cuda:
+        raise ValueError("kv_transfer_backend: cuda_ipc needs the KV cache on CUDA (--device)")
+    auto = ("shared_memory", "cuda_ipc", "torch_dist")
+    wanted = {"auto": auto, "grpc": ()}.get(backend, (backend,))
+    usable = {"shared_memory": shared, "cuda_ipc": on_cuda}
+    return ("grpc", *(b for b in wanted if usable.get(b, True)))
 
 
 def _start_publisher(

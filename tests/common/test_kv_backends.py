@@ -101,3 +101,60 @@ def test_a_forced_path_that_cannot_be_used_fails_naming_the_flag():
         choose("shared_memory", (), False, "cpu", "cpu", True)
     with pytest.raises(KVHandshakeError, match="--kv-transfer-backend torch_dist: it cannot"):
         choose("torch_dist", ("torch_dist",), False, "cpu", "cpu", False)
+
+
+@pytest.mark.parametrize(
+    ("wanted", "ipc_opens", "same_node", "chosen"),
+    [
+        ("auto", True, True, "cuda_ipc"),  # one GPU, or peers: device to device
+        ("auto", False, True, "torch_dist"),  # no peer access: NCCL
+        ("auto", False, False, "grpc"),
+        ("cuda_ipc", True, True, "cuda_ipc"),
+    ],
+)
+def test_the_choice_between_gpu_paths(wanted, ipc_opens, same_node, chosen):
+    offered = ("cuda_ipc", "torch_dist")
+    assert choose(wanted, offered, False, "cuda", "cuda", same_node, ipc_opens) == chosen
+
+
+def test_a_forced_cuda_ipc_path_that_does_not_map_fails_naming_the_flag():
+    with pytest.raises(KVHandshakeError, match="--kv-transfer-backend cuda_ipc: it cannot"):
+        choose("cuda_ipc", ("cuda_ipc",), False, "cuda", "cuda", True, False)
+
+
+def test_what_a_prefill_worker_offers():
+    from services.engine.kv_transfer.sender import KVSender
+    from services.prefill.server import offered_backends
+
+    plain = KVSender(5.0)
+    assert offered_backends("auto", plain, "cuda:0") == ("grpc", "cuda_ipc", "torch_dist")
+    assert offered_backends("auto", plain, "cpu") == ("grpc", "torch_dist")
+    assert offered_backends("grpc", plain, "cuda") == ("grpc",)
+    with pytest.raises(ValueError, match="^kv_transfer_backend: cuda_ipc needs the KV cache on"):
+        offered_backends("cuda_ipc", plain, "cpu")
+
+
+def test_a_cuda_ipc_export_round_trips_as_json_and_refuses_what_is_not_one():
+    from services.engine.kv_transfer.cuda_ipc import CudaIpcExport, export_cuda_kv
+
+    export = CudaIpcExport(
+        (0, b"\x01\x02handle", 4096, 0, b"ref", 8, b"event", True),
+        (2, 2, 4, 16, 1, 8),
+        128,
+        "bfloat16",
+        "GPU-1234",
+        4242,
+    )
+    assert CudaIpcExport.from_json(export.to_json()) == export
+    text = export.to_json()
+    for bad in (
+        text.replace('"bfloat16"', '"os.system"'),
+        text.replace('"kinds": ["i"', '"kinds": ["x"'),
+        text.replace("[2, 2, 4, 16, 1, 8]", "[2, 2]"),
+    ):
+        with pytest.raises(ValueError, match="cuda_ipc: malformed"):
+            CudaIpcExport.from_json(bad)
+    with pytest.raises(
+        ValueError, match="^kv_transfer_backend: cuda_ipc needs the KV cache on CUDA"
+    ):
+        export_cuda_kv(torch.zeros(2, 2, 1, 1, 1, 1))

@@ -2,13 +2,15 @@
 the same gRPC control plane (handshake, leases, release: `kv_transfer_grpc.py`):
 
 - `grpc_path`: the blocks stream as PullKV messages (any two hosts);
-- `shm_path`: copied in place out of the source's shared-memory segment (same host, CPU);
+- `shm_path`: copied in place out of the source's mapped cache: its shared-memory segment
+  (same host, CPU) or its GPU memory through CUDA IPC (same GPU or peer GPUs);
 - `dist_path`: sent through a torch.distributed process group per prefill/decode pair (NCCL
   between GPUs, which takes NVLink where the GPUs have it; gloo between CPU processes).
 
 `choose` picks one per source from what its handshake offers and `--kv-transfer-backend`.
 """
 
-KV_TRANSFER_BACKENDS = ("auto", "grpc", "shared_memory", "torch_dist")
-"""Values of `--kv-transfer-backend`: "auto" takes shared memory on one host, torch.distributed
-between GPU workers of one node, gRPC otherwise."""
+KV_TRANSFER_BACKENDS = ("auto", "grpc", "shared_memory", "cuda_ipc", "torch_dist")
+"""Values of `--kv-transfer-backend`: "auto" takes shared memory between CPU workers of one
+host, CUDA IPC between GPU workers on one GPU or peer GPUs, torch.distributed between other GPU
+workers of one node, gRPC otherwise."""

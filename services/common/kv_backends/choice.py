@@ -15,10 +15,11 @@ import torch
 
 from services.common.kv_backends.dist_path import TorchDistPath
 from services.common.kv_backends.grpc_path import GrpcPath
-from services.common.kv_backends.shm_path import SharedMemoryPath
+from services.common.kv_backends.shm_path import CudaIpcPath, SharedMemoryPath
 from services.common.pb import worker_pb2
 from services.engine.errors import KVHandshakeError, KVTransferError
 from services.engine.kv_cache import KVCacheSpec
+from services.engine.kv_transfer.cuda_ipc import CudaIpcExport
 from services.engine.kv_transfer.handle import KVHandle
 from services.engine.kv_transfer.shm_segment import SharedSegment
 
@@ -57,15 +58,18 @@ def choose(
     local_device: str,
     source_device: str,
     same_node: bool,
+    cuda_ipc_opens: bool = False,
 ) -> str:
     """The data path to a source: `wanted` ("auto", or the one the flag forces) among the ones
     it `offered`. "auto" takes shared memory when the segment mapped (`shared_memory_opens`: same
-    host, same user), torch.distributed when both caches are on CUDA devices of one node, gRPC
-    otherwise. Raises KVHandshakeError naming `--kv-transfer-backend` when a forced path cannot
+    host, same user), CUDA IPC when the source's device memory mapped (`cuda_ipc_opens`: the
+    same GPU or a peer), torch.distributed when both caches are on CUDA devices of one node,
+    gRPC otherwise. Raises KVHandshakeError naming `--kv-transfer-backend` when a forced path cannot
     be used."""
     usable = {
         "grpc": True,
         "shared_memory": "shared_memory" in offered and shared_memory_opens,
+        "cuda_ipc": "cuda_ipc" in offered and cuda_ipc_opens,
         "torch_dist": "torch_dist" in offered
         and same_node
         and (local_device == source_device)
@@ -80,6 +84,8 @@ def choose(
         return wanted
     if usable["shared_memory"]:
         return "shared_memory"
+    if usable["cuda_ipc"]:
+        return "cuda_ipc"
     if usable["torch_dist"] and local_device == "cuda":
         return "torch_dist"
     return "grpc"
@@ -103,19 +109,27 @@ def open_path(
             segment = SharedSegment.open(offer.name, offer.token, offer.nbytes)
         except OSError as exc:  # another host, or another user: not shared
             logger.info("cannot map %s's KV segment %s: %s", address, offer.name, exc)
+    local = torch.device(receiver.device)
+    ipc = None
+    same_node = reply.node_id == node_id()
+    if "cuda_ipc" in offered and wanted in ("auto", "cuda_ipc") and local.type == "cuda":
+        ipc = _open_cuda_ipc(channel, address, reply.cuda_ipc, spec, local, receiver.timeout_s)
     name = choose(
         wanted,
         offered,
         segment is not None,
-        torch.device(receiver.device).type,
+        local.type,
         reply.device_type or "cpu",
-        reply.node_id == node_id(),
+        same_node,
+        cuda_ipc_opens=ipc is not None and same_node,
     )
     timeout_s = receiver.timeout_s
     if name == "shared_memory" and segment is not None:
         return SharedMemoryPath(
             channel, address, segment, spec, reply.shared_memory.num_blocks, timeout_s
         )
+    if name == "cuda_ipc" and ipc is not None:
+        return ipc
     if name == "torch_dist":
         path = TorchDistPath(channel, address, spec, receiver.device, timeout_s, receiver.engine_id)
         try:
@@ -127,3 +141,13 @@ def open_path(
             return GrpcPath(channel, address, timeout_s)
         return path
     return GrpcPath(channel, address, timeout_s)
+
+
+def _open_cuda_ipc(channel, address, export_json, spec, local, timeout_s) -> CudaIpcPath | None:
+    """The CUDA IPC path to a source's cache, or None (logged) where it does not map here."""
+    try:
+        export = CudaIpcExport.from_json(export_json)
+        return CudaIpcPath(channel, address, export, spec, local, timeout_s)
+    except (ValueError, RuntimeError, KVTransferError) as exc:  # another node, no peer access
+        logger.info("cannot map %s's KV cache over CUDA IPC: %s", address, exc)
+        return None

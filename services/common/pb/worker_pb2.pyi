@@ -188,7 +188,7 @@ class KVHandshakeRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class KVHandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "model_id", "layout", "lease_seconds", "backends", "shared_memory", "device_type", "node_id")
+    __slots__ = ("engine_id", "model_id", "layout", "lease_seconds", "backends", "shared_memory", "device_type", "node_id", "cuda_ipc")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,7 @@ class KVHandshakeResponse(_message.Message):
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model_id: str
     layout: _common_pb2.KVLayout
@@ -205,7 +206,8 @@ class KVHandshakeResponse(_message.Message):
     shared_memory: SharedKVSegment
     device_type: str
     node_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., backends: _Optional[_Iterable[str]] = ..., shared_memory: _Optional[_Union[SharedKVSegment, _Mapping]] = ..., device_type: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+    cuda_ipc: str
+    def __init__(self, engine_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., backends: _Optional[_Iterable[str]] = ..., shared_memory: _Optional[_Union[SharedKVSegment, _Mapping]] = ..., device_type: _Optional[str] = ..., node_id: _Optional[str] = ..., cuda_ipc: _Optional[str] = ...) -> None: ...
 
 class RenewKVLeaseRequest(_message.Message):
     __slots__ = ("request_ids",)

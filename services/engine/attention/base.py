@@ -13,6 +13,9 @@ class AttentionBackend(ABC):
     """Computes attention for one layer of one step, reading and writing the paged cache."""
 
     name: str = ""  # its registry name (`--attention-backend`)
+    # Launches no host sync and takes fixed-shape inputs given a seeded `meta.varlen` and
+    # slot_mapping entries of -1 for padding, so a CUDA graph can capture it (cuda_graphs.py).
+    cuda_graph_safe: bool = False
 
     @abstractmethod
     def forward(

@@ -112,8 +112,7 @@ def random_step(
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
     return PagedStep(
-        *(t.to(device) for t in (q, k, v, k_cache, v_cache)),
-        meta=meta,
+        q.to(device), k.to(device), v.to(device), k_cache.to(device), v_cache.to(device), meta
     )
 
 

@@ -229,6 +229,7 @@ class TritonPagedBackend(AttentionBackend):
     CPU only under `TRITON_INTERPRET=1`)."""
 
     name = "triton"
+    cuda_graph_safe = True
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         store_kv_triton(key, value, k_cache, v_cache, meta.slot_mapping)

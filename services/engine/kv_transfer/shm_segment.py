@@ -47,7 +47,7 @@ def segment_name(engine_id: str, pid: int | None = None) -> str:
     return f"pdserve-kv-{os.getuid()}-{pid or os.getpid()}-{safe}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
@@ -69,7 +69,7 @@ def sweep_dead_segments(directory: Path = SHM_DIR) -> list[str]:
     with contextlib.suppress(OSError):
         for path in directory.iterdir():
             match = _NAME.fullmatch(path.name)
-            if match is None or int(match.group(1)) != uid or _pid_alive(int(match.group(2))):
+            if match is None or int(match.group(1)) != uid or pid_alive(int(match.group(2))):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -166,7 +166,7 @@ class SharedSegment:
     def owner_alive(self) -> bool:
         """Whether the creating process still runs. A mapping outlives its owner (the pages stay
         until the last mapping goes), so a reader checks before trusting what it copies."""
-        return _pid_alive(self.owner_pid)
+        return pid_alive(self.owner_pid)
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The data bytes as a tensor of `shape` and `dtype` (read-only memory for a reader:
