@@ -105,11 +105,21 @@ def test_worker_flags_and_defaults(role):
     )
     e = c.engine
     assert (e.block_size, e.dtype, e.max_model_len, e.num_blocks) == (16, None, None, None)
+    # The KV budget: 1 GiB on the CPU, on CUDA what --gpu-memory-utilization leaves (memory.py).
     assert (e.kv_cache_memory_bytes, e.max_num_seqs, e.max_num_batched_tokens) == (
-        1 << 30,
+        None,
         256,
         8192,
     )
+    assert (e.gpu_memory_utilization, e.enforce_eager, e.max_cuda_graph_batch_size) == (
+        0.9,
+        False,
+        256,
+    )
+    gpu = config(role, "--gpu-memory-utilization", "0.5", "--enforce-eager").engine
+    assert (gpu.gpu_memory_utilization, gpu.enforce_eager) == (0.5, True)
+    with pytest.raises(ValueError, match=r"^--gpu-memory-utilization: must be in \(0, 1\]"):
+        config(role, "--gpu-memory-utilization", "1.5")
     assert (c.threads, c.cpus, c.engine_config().role.value) == (None, None, role)
     c = config(
         role,

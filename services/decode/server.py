@@ -39,6 +39,7 @@ from services.common.worker import (
 )
 from services.engine import Engine
 from services.engine.errors import InvalidRequestError, KVHandshakeError, KVTransferError
+from services.engine.kv_transfer.cuda_ipc import cuda_topology
 from services.engine.outputs import KVReserved, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,8 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
         device=engine_config.device,
     )
     logger.info("KV transfer: --kv-transfer-backend %s", config.kv_transfer_backend)
+    if engine_config.device.startswith("cuda"):
+        logger.info("KV transfer topology: %s", cuda_topology())
     engine = Engine(engine_config, kv_receiver=transfer)
     loop = EngineLoop(engine, "decode")
     decode = DecodeServicer(loop, transfer, config)

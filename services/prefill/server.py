@@ -32,6 +32,7 @@ from services.common.worker import (
 )
 from services.engine import Engine
 from services.engine.errors import InvalidRequestError
+from services.engine.kv_transfer.cuda_ipc import cuda_topology
 from services.engine.kv_transfer.sender import KVSender
 from services.engine.kv_transfer.shared_memory import SharedMemoryKVSender
 
@@ -100,6 +101,8 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     engine = Engine(config.engine_config(), kv_sender=sender)
     offered = offered_backends(backend, sender, device)
     logger.info("KV transfer: --kv-transfer-backend %s, serving %s", backend, offered)
+    if device.startswith("cuda"):
+        logger.info("KV transfer topology: %s", cuda_topology())
     loop = EngineLoop(engine, "prefill")
 
     def expire_leases() -> None:  # nobody renewed them: the decode worker (or router) is gone

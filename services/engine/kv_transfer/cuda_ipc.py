@@ -120,3 +120,17 @@ def open_cuda_kv(export: CudaIpcExport, local_device: torch.device) -> torch.Ten
     strides = torch.empty(export.shape, device="meta").stride()  # contiguous
     tensor.set_(storage, export.storage_offset, export.shape, strides)
     return tensor
+
+
+def cuda_topology() -> str:
+    """The GPUs this process sees and which pairs have peer access (what decides cuda_ipc vs
+    torch_dist between two GPU workers), for the start-up log."""
+    count = torch.cuda.device_count()
+    names = [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(count)]
+    peers = [
+        f"{i}->{j}"
+        for i in range(count)
+        for j in range(count)
+        if i != j and torch.cuda.can_device_access_peer(i, j)
+    ]
+    return f"{count} GPU(s): {', '.join(names)}; peer access: {', '.join(peers) or 'none'}"
