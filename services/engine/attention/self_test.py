@@ -23,9 +23,10 @@ from services.engine.attention.metadata import AttentionMetadata, PrefillSeq
 
 logger = logging.getLogger(__name__)
 
-# Max |backend - SDPA| allowed on the self-test's unit-variance inputs, by dtype.
 FOREIGN = 1e4  # what a slot no request owns holds in the self-test
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 4e-3}
+# Max |backend - SDPA| allowed on the self-test's unit-variance inputs, by dtype: about four
+# units in the last place of outputs below 4 (a wrong kernel is off by the outputs' own size).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 6.25e-2, torch.float16: 8e-3}
 
 
 class AttentionSelfTestError(RuntimeError):
