@@ -80,6 +80,9 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         max_num_waiting_for_kv=4,
         kv_lease_seconds=20.0,
         debug_recompute_prompt=True,
+        gpu_memory_utilization=0.5,  # the CUDA-only fields travel on the CPU too
+        enforce_eager=True,
+        max_cuda_graph_batch_size=16,
     )
     router = RouterConfig(
         host="localhost",
