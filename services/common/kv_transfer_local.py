@@ -63,6 +63,7 @@ class LocalKVPaths:
     dist_host: str
     group_timeout_s: float
     _groups: dict[str, _Group]
+    _pending_groups: dict[str, threading.Event]
 
     def _stall(self, context) -> None: ...
 
@@ -120,6 +121,7 @@ class LocalKVPaths:
                 built["error"] = exc
 
         thread = threading.Thread(target=build, name="kv-group-setup", daemon=True)
+        ready = self._pending_groups[name] = threading.Event()  # SendKV may come first
         thread.start()
         yield worker_pb2.KVGroupInfo(
             store_host=self.dist_host,
@@ -129,10 +131,14 @@ class LocalKVPaths:
         )
         thread.join(self.group_timeout_s + 5)
         if "group" not in built:
+            self._pending_groups.pop(name, None)
+            ready.set()
             logger.warning("KV group with %s failed: %s", request.engine_id, built.get("error"))
             return
         entry = _Group(built["group"], request.engine_id)
         self._groups[name] = entry
+        self._pending_groups.pop(name, None)
+        ready.set()
         logger.info("KV group %s with %s (%s) open", name, request.engine_id, entry.group.backend)
         context.add_callback(entry.closed.set)
         try:
@@ -147,6 +153,12 @@ class LocalKVPaths:
 
     def SendKV(self, request, context) -> Iterator[worker_pb2.SendKVStatus]:
         entry = self._groups.get(request.group)
+        pending = self._pending_groups.get(request.group)
+        if entry is None and pending is not None:
+            # The caller's half of the rendezvous can finish, and its SendKV arrive, before
+            # this side's OpenKVGroup has registered the group: wait for it, bounded.
+            pending.wait(self.group_timeout_s)
+            entry = self._groups.get(request.group)
         if entry is None:
             raise RequestNotFoundError(f"no KV group {request.group!r} here (it was closed)")
         handle = self._check(request.pull)

@@ -8,6 +8,7 @@ holds a pull, renews leases and releases pins (`services/engine/kv_transfer/leas
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -78,6 +79,7 @@ class KVTransferServicer(LocalKVPaths, worker_pb2_grpc.KVTransferServicer):
         )
         self._cuda_ipc_export = ""
         self._groups = {}
+        self._pending_groups: dict[str, threading.Event] = {}  # opened, still forming
 
     def Handshake(self, request, context):
         remote = peer_info_from_proto(request.model_id, request.layout)
