@@ -35,7 +35,9 @@ class FlexAttentionBackend(AttentionBackend):
 
     def __init__(self, device: str) -> None:
         self.compiled = device.startswith("cuda")
-        self._masks: dict[int, object] = {}  # id(meta) -> its block mask, for this step only
+        # The step whose block mask is cached, and the mask: held with its metadata, since an
+        # id() alone could be reused by the next step's metadata once this one is freed.
+        self._mask: tuple[AttentionMetadata, object] | None = None
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
@@ -52,10 +54,9 @@ class FlexAttentionBackend(AttentionBackend):
 
     def _block_mask(self, meta: AttentionMetadata, num_tokens: int, num_slots: int):
         """One block mask per step (every layer shares it)."""
-        key = id(meta)
-        if key not in self._masks:
-            self._masks = {key: paged_block_mask(meta, num_tokens, num_slots)}
-        return self._masks[key]
+        if self._mask is None or self._mask[0] is not meta:
+            self._mask = (meta, paged_block_mask(meta, num_tokens, num_slots))
+        return self._mask[1]
 
 
 def paged_block_mask(meta: AttentionMetadata, num_tokens: int, num_slots: int):
