@@ -25,7 +25,7 @@ def bare_server() -> None:
     killed."""
     import grpc
 
-    from services.common.server import SERVER_OPTIONS
+    from services.common.grpc_server import SERVER_OPTIONS
 
     payloads: dict[int, list[bytes]] = {}
 

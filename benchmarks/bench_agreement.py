@@ -54,7 +54,7 @@ def _vllm_bench(python: Path, url: str, model_dir: Path, args: argparse.Namespac
 def _pdserve_bench(url: str, args: argparse.Namespace) -> dict:
     out = Path(tempfile.mkdtemp()) / "pdserve.json"
     subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", url,
+        [sys.executable, "-m", "services.cli.main", "bench", "serve", "--base-url", url,
          "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
          "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate),
          "--json", str(out), "--no-progress"],

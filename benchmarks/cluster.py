@@ -18,7 +18,7 @@ def start_serve(model: str, *flags: str) -> tuple[subprocess.Popen, dict]:
     command = [
         sys.executable,
         "-m",
-        "services.cli",
+        "services.cli.main",
         "serve",
         "--model",
         model,

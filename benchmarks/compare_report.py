@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.bench.sweep import goodput  # noqa: E402
-from services.router.stats import LEGS as ROUTER_LEGS  # noqa: E402
+from services.router.flow.request_stats import LEGS as ROUTER_LEGS  # noqa: E402
 
 DEFAULT = ROOT / "benchmarks" / "results" / "compare_serving.json"
 NAMES = {"vllm": "vLLM", "pdserve": "pdserve", "pdserve-colocated": "pdserve colocated"}

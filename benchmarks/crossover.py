@@ -32,14 +32,15 @@ from services.bench.backends import Target, http_sender  # noqa: E402
 from services.bench.command import machine  # noqa: E402
 from services.bench.dataset import Lengths  # noqa: E402
 from services.bench.stats import summarize  # noqa: E402
-from services.placement import format_cpus, plan_placement  # noqa: E402
+from services.cluster.placement import plan_placement  # noqa: E402
+from services.worker.cpus import format_cpus  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _router(mode: str, prefill: str, decode: str) -> tuple[str, subprocess.Popen]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "router", "--port", "0", "--http-port", "0",
+        [sys.executable, "-m", "services.cli.main", "router", "--port", "0", "--http-port", "0",
          "--prefill", prefill, "--decode", decode, "--disaggregation", mode,
          "--cpus", format_cpus(plan_placement(sorted(os.sched_getaffinity(0)), 1, 1).router)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,

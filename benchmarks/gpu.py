@@ -7,7 +7,7 @@
    HBM bytes/s / (weight bytes + batch * context * KV bytes per token). `--hbm-tbps` is the
    device's bandwidth (H200: 4.8 TB/s).
 3. KV transfer: GB/s of a block copy out of another process's cache over CUDA IPC
-   (`services/engine/kv_transfer/cuda_ipc.py`), next to a device copy inside one process.
+   (`services/kv_transfer/cuda_ipc/export.py`), next to a device copy inside one process.
 
     python benchmarks/gpu.py [--out benchmarks/results/gpu.json]   # ~2 min on an H200
 """
@@ -100,7 +100,7 @@ def bench_engine(path: Path, hbm_bytes_s: float) -> dict:
 
 
 def _export(conn, nbytes: int) -> None:
-    from services.engine.kv_transfer.cuda_ipc import export_cuda_kv
+    from services.kv_transfer.cuda_ipc.export import export_cuda_kv
 
     kv = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda").view(
         2, 2, nbytes // (2 * 2 * 2 * 16 * 4 * 64 * 2), 16, 4, 64
@@ -110,7 +110,7 @@ def _export(conn, nbytes: int) -> None:
 
 
 def bench_cuda_ipc(nbytes: int = 2 << 30, trials: int = 5) -> dict:
-    from services.engine.kv_transfer.cuda_ipc import CudaIpcExport, open_cuda_kv
+    from services.kv_transfer.cuda_ipc.export import CudaIpcExport, open_cuda_kv
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

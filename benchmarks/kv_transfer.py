@@ -105,8 +105,8 @@ def bandwidth(args, backend: str, prefill_address: str) -> list[dict]:
     import torch
 
     from services.common.channels import GRPC_OPTIONS
-    from services.common.kv_transfer_grpc import GrpcKVReceiver
     from services.common.pb import worker_pb2, worker_pb2_grpc
+    from services.kv_transfer.control.receiver import GrpcKVReceiver
 
     rows = []
     local = _source_peer_info(prefill_address)

@@ -75,7 +75,7 @@ def run(seconds: float, rate: float) -> tuple[PrometheusServer, float, float, su
     prometheus.start()
     targets = prometheus.targets_dir / "pdserve.json"
     serve = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--port", "0", "--http-port", "0",
+        [sys.executable, "-m", "services.cli.main", "serve", "--port", "0", "--http-port", "0",
          "--prometheus-targets", str(targets)],
         stdout=subprocess.PIPE, text=True, cwd=ROOT,
     )  # fmt: skip
@@ -89,7 +89,7 @@ def run(seconds: float, rate: float) -> tuple[PrometheusServer, float, float, su
     side = threading.Thread(target=_side_traffic, args=(ready["http"], stop))
     side.start()
     bench = [
-        sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", ready["http"],
+        sys.executable, "-m", "services.cli.main", "bench", "serve", "--base-url", ready["http"],
         "--request-rate", str(rate), "--num-prompts", str(int(rate * seconds)),
         "--random-input-len", "256", "--random-output-len", "32", "--ignore-eos",
     ]  # fmt: skip

@@ -27,8 +27,8 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.common.grpc_server import start_service
 from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2_grpc  # noqa: E402
-from services.common.server import start_service  # noqa: E402
 from tests.router.fakes import FakeDecode, FakePrefill  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -69,7 +69,7 @@ def _start_fakes(num_tokens: int) -> tuple[str, str, list]:
 
 
 def _start_router(prefill: str, decode: str, repo: Path) -> tuple[subprocess.Popen, dict]:
-    argv = [sys.executable, "-m", "services.cli", "router", "--model", MODEL, "--port", "0"]
+    argv = [sys.executable, "-m", "services.cli.main", "router", "--model", MODEL, "--port", "0"]
     argv += ["--http-port", "0", "--prefill", prefill, "--decode", decode]
     env = {**os.environ, "PYTHONPATH": str(repo)}
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=repo, env=env)

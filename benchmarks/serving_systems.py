@@ -112,7 +112,7 @@ def start_vllm(venv: Path, model_dir: Path, cpus: str) -> tuple[str, subprocess.
 
 def start_pdserve(flags: list[str]) -> tuple[str, subprocess.Popen, dict]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--dtype", "bfloat16", "--port", "0",
+        [sys.executable, "-m", "services.cli.main", "serve", "--dtype", "bfloat16", "--port", "0",
          "--http-port", "0", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
     )  # fmt: skip

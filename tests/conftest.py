@@ -87,7 +87,7 @@ def real_text_ids(default_model) -> list[int]:
 def pytest_sessionfinish(session, exitstatus):
     # Tests SIGKILL workers: remove the shared-memory KV segments they could not (as the next
     # worker to start would).
-    from services.engine.kv_transfer.shm_segment import sweep_dead_segments
+    from services.kv_transfer.shared_memory.segment import sweep_dead_segments
 
     sweep_dead_segments()
     early, total = reference.inconclusive_ratio()

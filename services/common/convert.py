@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING
 
 from services.common.pb import common_pb2, generate_pb2
 from services.engine.config import DTYPES
-from services.engine.kv_transfer.handle import KV_TENSOR_LAYOUT, KVHandle
 from services.engine.outputs import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
+from services.kv_transfer.handle import KV_TENSOR_LAYOUT, KVHandle
 
 if TYPE_CHECKING:
     import torch
 
     from services.engine.kv_cache import KVCacheSpec
-    from services.engine.kv_transfer.handshake import KVPeerInfo
+    from services.kv_transfer.handshake import KVPeerInfo
 
 
 @cache
@@ -148,7 +148,7 @@ def peer_info_to_proto(info: KVPeerInfo) -> tuple[str, common_pb2.KVLayout]:
 def peer_info_from_proto(model_id: str, msg: common_pb2.KVLayout) -> KVPeerInfo:
     """A peer's handshake fields, kept as sent (an unknown layout string is a mismatch to
     report, not a parse error); raises ValueError only for an unknown dtype name."""
-    from services.engine.kv_transfer.handshake import KVPeerInfo
+    from services.kv_transfer.handshake import KVPeerInfo
 
     return KVPeerInfo(model_id, _spec_from_proto(msg), msg.layout)
 

@@ -22,14 +22,18 @@ import logging
 import threading
 
 from services.common import metrics
-from services.common.config import DecodeConfig
 from services.common.convert import handle_from_proto, logprobs_to_proto, sampling_from_proto
-from services.common.engine_loop import EngineLoop, ShuttingDownError
 from services.common.errors import PeerUnavailableError, ServiceUnavailableError
-from services.common.kv_transfer_grpc import GrpcKVReceiver
+from services.common.grpc_server import start_service
 from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.common.server import start_service
-from services.common.worker import (
+from services.config.roles import DecodeConfig
+from services.engine import Engine
+from services.engine.errors import InvalidRequestError, KVHandshakeError, KVTransferError
+from services.engine.outputs import KVReserved, RequestOutput
+from services.kv_transfer.control.receiver import GrpcKVReceiver
+from services.kv_transfer.cuda_ipc.export import cuda_topology
+from services.worker.engine_loop import EngineLoop, ShuttingDownError
+from services.worker.runtime import (
     AdminServicer,
     RunningWorker,
     cache_salt,
@@ -37,10 +41,6 @@ from services.common.worker import (
     next_output,
     worker_info,
 )
-from services.engine import Engine
-from services.engine.errors import InvalidRequestError, KVHandshakeError, KVTransferError
-from services.engine.kv_transfer.cuda_ipc import cuda_topology
-from services.engine.outputs import KVReserved, RequestOutput
 
 logger = logging.getLogger(__name__)
 

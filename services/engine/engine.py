@@ -13,7 +13,6 @@ import time
 import uuid
 from pathlib import Path
 
-from services.engine.admission import RequestChecker
 from services.engine.block_hash import BlockHash
 from services.engine.config import EngineConfig, EngineRole
 from services.engine.cuda_graphs import decode_graphs
@@ -22,11 +21,6 @@ from services.engine.kv_cache import KVCache
 from services.engine.kv_events import KVEvent
 from services.engine.kv_export import KVExport
 from services.engine.kv_reservations import KVReservations
-from services.engine.kv_transfer.base import KVReceiver
-from services.engine.kv_transfer.handle import KVHandle
-from services.engine.kv_transfer.handshake import KVPeerInfo
-from services.engine.kv_transfer.in_memory import InMemoryKVReceiver
-from services.engine.kv_transfer.sender import KVSender
 from services.engine.loader import eos_token_id, load_model, model_id, model_limits, resolve_model
 from services.engine.memory import num_kv_blocks
 from services.engine.model_runner import ModelRunner
@@ -36,7 +30,13 @@ from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.tokenizer import Tokenizer
+from services.engine.validation import RequestChecker
 from services.engine.warmup import warm_up
+from services.kv_transfer.base import KVReceiver
+from services.kv_transfer.handle import KVHandle
+from services.kv_transfer.handshake import KVPeerInfo
+from services.kv_transfer.in_memory import InMemoryKVReceiver
+from services.kv_transfer.sender import KVSender
 
 
 class Engine:
@@ -117,7 +117,7 @@ class Engine:
         `cache_salt`: requests share cached prefix blocks only with requests of the same salt
         (vLLM's `cache_salt`: isolates tenants from each other's prefix-cache timing).
         `output_token_ids`: tokens this request already generated on a worker that failed (a
-        migration, `services/router/migration.py`). They are outputs, not prompt: the engine
+        migration, `services/router/flow/migration.py`). They are outputs, not prompt: the engine
         computes the KV of prompt + them and samples the next token as the failed worker would
         have, since they count against max_tokens, in the penalties and in the seeded stream
         (a seeded draw depends only on (seed, output index): `sampler.py`). A handle then

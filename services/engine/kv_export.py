@@ -13,11 +13,11 @@ import torch
 
 from services.engine.errors import InvalidRequestError, RequestNotFoundError
 from services.engine.kv_cache import KVCache
-from services.engine.kv_transfer.base import KVSource
-from services.engine.kv_transfer.handle import KVHandle
-from services.engine.kv_transfer.handshake import KVPeerInfo
-from services.engine.kv_transfer.sender import KVSender
 from services.engine.request import Request
+from services.kv_transfer.base import KVSource
+from services.kv_transfer.handle import KVHandle
+from services.kv_transfer.handshake import KVPeerInfo
+from services.kv_transfer.sender import KVSender
 
 
 class KVExport(KVSource):

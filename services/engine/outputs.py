@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.kv_transfer.handle import KVHandle
+from services.kv_transfer.handle import KVHandle
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from __future__ import annotations
 from services.engine.errors import InvalidRequestError, KVTransferError, RequestNotFoundError
 from services.engine.kv_cache import KVCache
 from services.engine.kv_reservations import KVReservations
-from services.engine.kv_transfer.base import KVReceiver
 from services.engine.outputs import KVReserved
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import RemoteLoad
+from services.kv_transfer.base import KVReceiver
 
 
 class RemoteKV:

@@ -6,9 +6,9 @@ import enum
 from dataclasses import dataclass, field
 
 from services.engine.block_hash import BlockHash
-from services.engine.kv_transfer.handle import KVHandle
 from services.engine.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from services.engine.sampling_params import SamplingParams
+from services.kv_transfer.handle import KVHandle
 
 
 class RequestStatus(enum.Enum):

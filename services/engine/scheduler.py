@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from services.engine.block_hash import max_cached_blocks
 from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCache
-from services.engine.kv_transfer.handle import KVHandle
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import SamplingRow, TokenLogprobs
+from services.kv_transfer.handle import KVHandle
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A process's first forward pays for lazy initialisation: oneDNN primitive creatio
 thread team of the calling thread, first-call allocations, kernel JIT and autotuning on CUDA.
 vLLM (`profile_run` / `capture_model`) and SGLang run a dummy batch before they report ready; a
 pdserve worker runs this on its engine thread before its health turns SERVING
-(`services/common/worker.py`), so the first real request does not pay for it.
+(`services/worker/runtime.py`), so the first real request does not pay for it.
 
 The forwards go straight to the model runner, whatever the engine's role (PREFILL, DECODE and
 BOTH run the same model), on scratch blocks borrowed from the pool (`BlockPool.borrow`), never

@@ -3,7 +3,7 @@
 Prefill runs the prompt, samples the first token, and keeps the prompt's blocks pinned under a
 lease (`EngineConfig.kv_lease_seconds`, `--kv-lease-seconds`) that the decode worker renews while
 it wants them and ends with ReleaseKV; a lapsed lease frees them
-(`services/engine/kv_transfer/lease.py`).
+(`services/kv_transfer/lease.py`).
 """
 
 from __future__ import annotations
@@ -13,16 +13,21 @@ import threading
 import uuid
 
 from services.common import metrics
-from services.common.config import PrefillConfig
 from services.common.convert import handle_to_proto, logprobs_to_proto, sampling_from_proto
-from services.common.engine_loop import EngineLoop
 from services.common.errors import ServiceUnavailableError
-from services.common.kv_publisher import KVEventPublisher
-from services.common.kv_transfer_service import KVTransferServicer, add_kv_transfer_servicer
+from services.common.grpc_server import start_service
 from services.common.pb import worker_pb2, worker_pb2_grpc
-from services.common.prefix_index import make_prefix_index
-from services.common.server import start_service
-from services.common.worker import (
+from services.config.roles import PrefillConfig
+from services.engine import Engine
+from services.engine.errors import InvalidRequestError
+from services.kv_transfer.control.service import KVTransferServicer, add_kv_transfer_servicer
+from services.kv_transfer.cuda_ipc.export import cuda_topology
+from services.kv_transfer.sender import KVSender
+from services.kv_transfer.shared_memory.source import SharedMemoryKVSender
+from services.prefix_index.index import make_prefix_index
+from services.prefix_index.publisher import KVEventPublisher
+from services.worker.engine_loop import EngineLoop
+from services.worker.runtime import (
     AdminServicer,
     RunningWorker,
     cache_salt,
@@ -30,11 +35,6 @@ from services.common.worker import (
     next_output,
     worker_info,
 )
-from services.engine import Engine
-from services.engine.errors import InvalidRequestError
-from services.engine.kv_transfer.cuda_ipc import cuda_topology
-from services.engine.kv_transfer.sender import KVSender
-from services.engine.kv_transfer.shared_memory import SharedMemoryKVSender
 
 logger = logging.getLogger(__name__)
 

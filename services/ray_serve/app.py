@@ -14,13 +14,13 @@ from typing import Any, cast
 
 from ray.serve import Application
 
+from services.cluster.prometheus_targets import check_path
 from services.engine.loader import check_model
-from services.prometheus_targets import check_path
 from services.ray_serve.app_config import PoolSpec, RayAppConfig, parse_args
 from services.ray_serve.autoscaling import POLICY
 from services.ray_serve.registry import Registry
 from services.ray_serve.router import RouterReplica
-from services.ray_serve.workers import DecodeReplica, PrefillReplica
+from services.ray_serve.worker_deployments import DecodeReplica, PrefillReplica
 
 
 def build_app(args: Mapping[str, Any] | None = None) -> Application:

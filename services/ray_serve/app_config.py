@@ -25,9 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.cluster_config import ClusterConfig
-from services.common.config_json import from_dict
-from services.common.membership import DEFAULT_TTL_S
+from services.cluster.config import ClusterConfig
+from services.common.member_leases import DEFAULT_TTL_S
+from services.config.handoff import from_dict
 
 # Where each ClusterConfig field sits in the Ray arguments (error messages name that path).
 _CLUSTER_PATHS = {

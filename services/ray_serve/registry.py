@@ -2,12 +2,12 @@
 
 Every worker and router replica registers here once it serves (its gRPC address, /metrics URL
 and replica id) and renews every third of the ttl; each router replica reads `members()` twice a
-second and mirrors the workers into its pool (`services/router/membership.py`). A replica that
-Ray replaces stops renewing and lapses; its successor registers under its own address. The
+second and mirrors the workers into its pool (`services/router/pool/registration.py`). A replica
+that Ray replaces stops renewing and lapses; its successor registers under its own address. The
 registry also hands out CPUs (`claim_cpus`) so pinned replicas on one node never share one, and
 writes the Prometheus file_sd targets of every replica (`prometheus_targets`), so the shipped
-dashboards find them. One replica; if Ray restarts it, the replicas re-register within a
-renewal period, and routers keep their members for their own ttl meanwhile.
+dashboards find them. One replica; if Ray restarts it, the replicas re-register within a renewal
+period, and routers keep their members for their own ttl meanwhile.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import time
 
 from ray import serve
 
-from services.common.membership import Member, MemberTable
-from services.prometheus_targets import check_path, target_groups, write_targets
+from services.cluster.prometheus_targets import check_path, target_groups, write_targets
+from services.common.member_leases import Member, MemberTable
 from services.ray_serve.app_config import RayAppConfig
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ray import serve
 
-from services.common.membership import Member
+from services.common.member_leases import Member
 from services.ray_serve.app_config import RayAppConfig
 from services.ray_serve.handles import call
 
@@ -52,7 +52,7 @@ class RouterReplica:
 
     def check_health(self) -> None:
         """Serve's health check: raises when the router's gRPC server stops answering."""
-        from services.common.server import is_serving
+        from services.common.grpc_server import is_serving
 
         if not is_serving(self.router.service):
             raise RuntimeError("the router's gRPC health is not SERVING")
@@ -72,7 +72,7 @@ class RouterReplica:
 
 def _register(member: Member, registry: Any) -> Any:
     """Keep the router registered (for its /metrics target); returns the stop function."""
-    from services.common.membership import Registrar
+    from services.common.member_leases import Registrar
 
     registrar = Registrar(
         member,

@@ -6,15 +6,15 @@ import dataclasses
 
 import grpc
 
-from services.common.config import RouterConfig
-from services.common.config_json import to_json
 from services.common.errors import InvalidRequestError, ServiceUnavailableError
-from services.common.membership import WORKER_ROLES, Member
+from services.common.member_leases import WORKER_ROLES, Member
 from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
+from services.config.handoff import to_json
+from services.config.roles import RouterConfig
 from services.router.api_key import REDACTED, check_metadata
-from services.router.membership import RouterMembership
-from services.router.prompt import ModelInfo
-from services.router.workers import WorkerPool
+from services.router.flow.prompt import ModelInfo
+from services.router.pool.registration import RouterMembership
+from services.router.pool.worker_pool import WorkerPool
 
 ADMIN_TIMEOUT_S = 30.0
 LIST_TIMEOUT_S = 5.0

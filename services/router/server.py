@@ -15,21 +15,21 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import request_id
-from services.common.config import API_KEY_ENV, RouterConfig
 from services.common.errors import UnauthenticatedError
+from services.common.grpc_server import RunningService, start_service, wait_for_termination
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2_grpc
-from services.common.server import RunningService, start_service, wait_for_termination
+from services.config.roles import API_KEY_ENV, RouterConfig
 from services.router.admin import RouterAdminServicer
 from services.router.api_key import check_metadata
-from services.router.cancel import CancelScope
-from services.router.generate import GenerateFlow
-from services.router.http_api import OpenAIApp
-from services.router.http_server import HttpServer
-from services.router.membership import RouterMembership
-from services.router.prompt import ModelInfo
-from services.router.routing import Routing
-from services.router.stats import count_error
-from services.router.workers import WorkerPool
+from services.router.flow.cancel import CancelScope
+from services.router.flow.generate import GenerateFlow
+from services.router.flow.prompt import ModelInfo
+from services.router.flow.request_stats import count_error
+from services.router.openai.app import OpenAIApp
+from services.router.openai.http_server import HttpServer
+from services.router.pool.registration import RouterMembership
+from services.router.pool.routing import Routing
+from services.router.pool.worker_pool import WorkerPool
 
 ROUTER_MAX_STREAMS = 1024  # concurrent Generate streams (one thread each)
 SERVICE_NAME = "pdserve.v1.Generation"

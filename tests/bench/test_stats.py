@@ -157,7 +157,7 @@ def test_prompts_have_exact_token_counts_and_are_unique(default_model, lengths):
     ],
 )
 def test_bad_bench_flags_are_refused_by_name_before_any_request(capsys, flags, named):
-    from services import cli
+    from services.cli import main as cli
 
     argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "2", *flags]
     assert cli.main(argv) == 2

@@ -114,8 +114,8 @@ def test_the_interceptor_binds_the_metadata_id_or_a_new_one(new_ids):
 
 
 def test_targets_paths_are_refused_before_anything_starts(tmp_path, capsys):
-    from services import cli
-    from services.prometheus_targets import check_path, write_targets
+    from services.cli import main as cli
+    from services.cluster.prometheus_targets import check_path, write_targets
 
     for path, why in (
         (tmp_path, "is a folder"),

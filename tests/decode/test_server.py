@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import grpc
 
-from services.common.config import DecodeConfig, PrefillConfig, RouterConfig
 from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc, worker_pb2_grpc
+from services.config.roles import DecodeConfig, PrefillConfig, RouterConfig
 from services.decode.server import start_decode
 from services.engine import LLM, EngineConfig, SamplingParams
 from services.prefill.server import start_prefill
 from services.router.server import start_router
-from tests.common.test_server import SERVING, health_status
+from tests.common.test_grpc_server import SERVING, health_status
 
 
 def test_services_started_from_configs_serve_generate(tiny_llama):

@@ -40,7 +40,7 @@ def start(*args: str, stderr: Any = None) -> Proc:
     """Run `pdserve ARGS`, wait for its `ready {json}` line (raises RuntimeError if it dies
     first). `stderr`: where its logs go (a file; default: the test's stderr)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "services.cli.main", *args],
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,

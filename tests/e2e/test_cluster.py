@@ -13,9 +13,10 @@ import urllib.request
 import grpc
 import pytest
 
+from services.cluster.placement import plan_placement
 from services.common.pb import common_pb2, generate_pb2
-from services.placement import format_cpus, plan_placement
-from services.router.stats import LEGS
+from services.router.flow.request_stats import LEGS
+from services.worker.cpus import format_cpus
 from tests.e2e.cluster import generate, generation_stub, pid_alive, scrape, start, worker_info
 from tests.reference import assert_equivalent, hf_greedy
 
@@ -151,7 +152,7 @@ def test_generate_cli_answers_paris(cluster):
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "services.cli.main",
             "generate",
             "--url",
             cluster.ready["router"],
@@ -254,7 +255,7 @@ def test_killed_client_frees_blocks_on_both_workers(cluster, real_text_ids):
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "services.cli.main",
             "generate",
             "--url",
             cluster.ready["router"],
@@ -418,7 +419,7 @@ def test_bench_serve_drives_the_cluster_and_reports_every_request(cluster, tmp_p
         where = ["--base-url", cluster.ready["http"]]
     subprocess.run(
         [
-            sys.executable, "-m", "services.cli", "bench", "serve", *where,
+            sys.executable, "-m", "services.cli.main", "bench", "serve", *where,
             "--num-prompts", "6", "--random-input-len", "40", "--random-output-len", "6",
             "--request-rate", "8,16", "--goodput", "ttft:20000", "tpot:5000",
             "--num-warmups", "2", "--json", str(out), "--plot", str(png), "--no-progress",

@@ -13,12 +13,12 @@ from typing import Any
 import grpc
 import pytest
 
-from services.common.cluster_config import ClusterConfig
-from services.common.config import DecodeConfig, PrefillConfig, PrefixIndexConfig, RouterConfig
-from services.common.config_json import from_json, to_dict, to_json
-from services.common.http_config import HttpConfig
-from services.common.migration_config import MigrationConfig
+from services.cluster.config import ClusterConfig
 from services.common.pb import common_pb2, generate_pb2, worker_pb2_grpc
+from services.config.handoff import from_json, to_dict, to_json
+from services.config.http import HttpConfig
+from services.config.migration import MigrationConfig
+from services.config.roles import DecodeConfig, PrefillConfig, PrefixIndexConfig, RouterConfig
 from services.engine.config import EngineConfig, EngineRole
 from tests.e2e.cluster import free_port, generation_stub, start
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.pb import common_pb2, generate_pb2
-from services.engine.kv_transfer.shm_segment import count_segments, sweep_dead_segments
+from services.kv_transfer.shared_memory.segment import count_segments, sweep_dead_segments
 from tests.e2e.cluster import generation_stub, scrape, start
 from tests.reference import assert_equivalent, hf_greedy
 

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from services.common.pb import common_pb2, generate_pb2, worker_pb2, worker_pb2_grpc
-from services.engine.kv_transfer.shm_segment import count_segments
+from services.kv_transfer.shared_memory.segment import count_segments
 from tests.e2e.cluster import generation_stub, start, start_all, worker_info
 from tests.reference import assert_equivalent, hf_greedy
 

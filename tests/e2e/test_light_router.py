@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import DecodeConfig, PrefillConfig
+from services.config.roles import DecodeConfig, PrefillConfig
 from services.decode.server import start_decode
 from services.engine.config import EngineConfig
 from services.prefill.server import start_prefill

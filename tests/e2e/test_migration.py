@@ -1,5 +1,5 @@
 """Request migration between real processes: a decode worker SIGKILLed or SIGSTOPped
-mid-stream, its stream continued on the other decode worker (`services/router/migration.py`).
+mid-stream, its stream continued on the other decode worker (`services/router/flow/migration.py`).
 
 One prefill worker, two decode workers on fixed ports (a killed one is started again at its
 address for the next test), a router with a 2 s stall timeout; SmolLM2, 300-token streams

@@ -278,7 +278,7 @@ def test_counters_dashboards_and_alerts_against_a_real_prometheus(
 
 
 def test_status_lists_the_routers_workers(cluster):
-    argv = [sys.executable, "-m", "services.cli", "status", "--url", cluster.ready["router"]]
+    argv = [sys.executable, "-m", "services.cli.main", "status", "--url", cluster.ready["router"]]
     listed = json.loads(
         subprocess.run(
             [*argv, "--json", "--api-key", KEY], capture_output=True, text=True, check=True

@@ -75,7 +75,7 @@ def test_the_key_never_appears_on_a_command_line(cluster):
             assert KEY.encode() not in f.read()
     with pytest.raises(openai.AuthenticationError):
         _client(cluster, "wrong").models.list()
-    argv = [sys.executable, "-m", "services.cli", "generate", "--url", cluster.ready["router"]]
+    argv = [sys.executable, "-m", "services.cli.main", "generate", "--url", cluster.ready["router"]]
     argv += ["--prompt", PROMPT, "--max-tokens", "2"]
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
     refused = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)

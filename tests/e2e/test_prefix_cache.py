@@ -107,7 +107,7 @@ def test_cached_tokens_follow_up_turn_salt_reset_and_exact_metrics(
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "services.cli.main",
             "reset-prefix-cache",
             "--url",
             cluster.router.ready["grpc"],

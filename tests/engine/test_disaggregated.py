@@ -10,8 +10,8 @@ import pytest
 
 from services.engine import EngineRole, SamplingParams
 from services.engine.errors import InvalidRequestError, KVHandshakeError
-from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
-from services.engine.kv_transfer.lease import TransferStatus
+from services.kv_transfer.in_memory import InMemoryKVTransfer
+from services.kv_transfer.lease import TransferStatus
 from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 
 LENS = [1, 15, 16, 17, 33, 100]

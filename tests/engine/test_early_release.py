@@ -4,8 +4,8 @@ prefill ran) unpins the blocks as soon as they are published."""
 from __future__ import annotations
 
 from services.engine import EngineRole, SamplingParams
-from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
-from services.engine.kv_transfer.lease import TransferStatus
+from services.kv_transfer.in_memory import InMemoryKVTransfer
+from services.kv_transfer.lease import TransferStatus
 from tests.engine.helpers import GREEDY, make_engine
 
 

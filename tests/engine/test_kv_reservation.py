@@ -7,10 +7,10 @@ import pytest
 
 from services.engine import EngineRole, SamplingParams
 from services.engine.errors import ResourceExhaustedError
-from services.engine.kv_transfer.in_memory import InMemoryKVReceiver, InMemoryKVTransfer
-from services.engine.kv_transfer.lease import TransferStatus
+from services.kv_transfer.in_memory import InMemoryKVReceiver, InMemoryKVTransfer
+from services.kv_transfer.lease import TransferStatus
 from tests.engine.helpers import GREEDY, make_engine
-from tests.engine.test_kv_lease import FakeClock
+from tests.kv_transfer.test_lease import FakeClock
 
 
 class GatedReceiver(InMemoryKVReceiver):

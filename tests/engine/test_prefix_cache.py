@@ -14,7 +14,7 @@ from services.engine import EngineRole, SamplingParams, block_hash
 from services.engine.block_hash import ROOT_HASH, block_hashes
 from services.engine.errors import InvalidRequestError
 from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
+from services.kv_transfer.in_memory import InMemoryKVTransfer
 from tests.engine.helpers import GREEDY, make_engine
 from tests.reference import assert_equivalent, hf_greedy
 

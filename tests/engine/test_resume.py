@@ -8,7 +8,7 @@ import pytest
 
 from services.engine import EngineRole, SamplingParams
 from services.engine.errors import InvalidRequestError
-from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
+from services.kv_transfer.in_memory import InMemoryKVTransfer
 from tests.engine.helpers import GREEDY, make_engine
 
 PROMPT = [11, 42, 7, 300, 5, 19, 88, 2, 61, 17, 250, 9, 33, 4, 8, 120, 77, 3, 15]

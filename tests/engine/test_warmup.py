@@ -8,7 +8,7 @@ import torch
 
 from services.engine import EngineRole, SamplingParams
 from services.engine.errors import ResourceExhaustedError
-from services.engine.kv_transfer.in_memory import InMemoryKVTransfer
+from services.kv_transfer.in_memory import InMemoryKVTransfer
 from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 
 ROLES = [EngineRole.BOTH, EngineRole.PREFILL, EngineRole.DECODE]

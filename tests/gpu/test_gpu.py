@@ -130,7 +130,7 @@ def test_cuda_graph_decode_equals_eager():
 
 
 def _export_child(conn) -> None:
-    from services.engine.kv_transfer.cuda_ipc import export_cuda_kv
+    from services.kv_transfer.cuda_ipc.export import export_cuda_kv
 
     torch.manual_seed(1)
     kv = torch.randn(2, 2, 16, 16, 2, 64, device=DEVICE).to(DTYPE)
@@ -139,7 +139,7 @@ def _export_child(conn) -> None:
 
 
 def test_cuda_ipc_moves_kv_bytes_exactly_between_two_processes():
-    from services.engine.kv_transfer.cuda_ipc import CudaIpcExport, open_cuda_kv
+    from services.kv_transfer.cuda_ipc.export import CudaIpcExport, open_cuda_kv
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -12,15 +12,15 @@ import grpc
 import pytest
 import torch
 
-from services.common.config import PrefillConfig
-from services.common.config_json import from_json
+from services.common.grpc_server import start_service
 from services.common.pb import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.server import start_service
+from services.config.handoff import from_json
+from services.config.roles import PrefillConfig
 from services.engine import EngineConfig
 from services.engine.engine import Engine
-from services.placement import format_cpus
 from services.prefill.server import start_prefill
-from tests.common.test_server import NOT_SERVING, SERVING, health_status
+from services.worker.cpus import format_cpus
+from tests.common.test_grpc_server import NOT_SERVING, SERVING, health_status
 from tests.e2e.cluster import free_port
 
 SERVICES = ("", "pdserve.v1.Prefill", "pdserve.v1.KVTransfer", "pdserve.v1.Admin")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.common.config import RouterConfig
+from services.common.grpc_server import start_service
 from services.common.pb import generate_pb2_grpc, worker_pb2_grpc
-from services.common.server import start_service
-from services.router.prompt import ModelInfo
+from services.config.roles import RouterConfig
+from services.router.flow.prompt import ModelInfo
 from services.router.server import start_router
 from tests.router.fakes import FakeDecode, FakePrefill
 

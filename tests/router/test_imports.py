@@ -36,10 +36,10 @@ def _loaded_after(statement: str) -> dict:
 @pytest.mark.parametrize(
     "statement",
     [
-        "import services.client",
+        "import services.cli.client",
         "import services.router.server",
         "from services import cli; cli._parser().format_help()",
-        "import services.common.config, services.engine",
+        "import services.config.roles, services.engine",
     ],
 )
 def test_import_loads_no_torch(statement):

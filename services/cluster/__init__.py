@@ -1,0 +1,1 @@
+"""`pdserve serve`: a router and its pools as supervised child processes on one machine."""

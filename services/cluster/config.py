@@ -1,0 +1,180 @@
+"""`pdserve serve`'s config: a router and pools of prefill and decode workers on one machine,
+and the config each child gets from it (`prefill_config(i)`, `decode_config(i)`,
+`router_config(...)`). The role configs themselves are in `config.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from services.cluster.placement import PlacementPlan
+from services.config.roles import (
+    DEFAULT_HTTP_PORT,
+    DecodeConfig,
+    PrefillConfig,
+    PrefixIndexConfig,
+    RouterConfig,
+    WorkerConfig,
+    _check,
+    _is_number,
+)
+from services.engine.config import EngineConfig
+from services.flags import flag
+from services.kv_transfer.registry import KV_TRANSFER_BACKENDS
+from services.worker.cpus import format_cpus
+
+W = TypeVar("W", bound=WorkerConfig)
+_WORKER_ONLY = ("role", "engine_id")  # set per worker, never a flag
+
+
+_POOL = ("engine", "host", "port", "metrics_port", "register_with", "kv_transfer_backend")
+PLACEMENTS = ("auto", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """`pdserve serve`: a router and pools of prefill and decode workers on this machine."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata=flag(exclude=_WORKER_ONLY))
+    """The engine every worker runs (each in its own role, with its own engine_id)."""
+    router: RouterConfig = field(
+        default_factory=lambda: RouterConfig(http_port=DEFAULT_HTTP_PORT),
+        metadata=flag(exclude=("model", "max_model_len", "prefill", "decode", "index", "cpus")),
+    )
+    """The router; its host is every service's, its model and limits are the engine's."""
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    """The prefix index, for the router and every prefill worker."""
+    prefill: PrefillConfig = field(
+        default_factory=PrefillConfig,
+        metadata=flag(prefix="prefill-", exclude=(*_POOL, "index", "drain_timeout")),
+    )
+    """Settings of each prefill worker (flags --prefill-*)."""
+    decode: DecodeConfig = field(
+        default_factory=DecodeConfig,
+        metadata=flag(prefix="decode-", exclude=(*_POOL, "drain_timeout")),
+    )
+    """Settings of each decode worker (flags --decode-*)."""
+    kv_transfer_backend: str = field(default="auto", metadata=flag(choices=KV_TRANSFER_BACKENDS))
+    """How prompt KV moves from prefill to decode workers (`WorkerConfig.kv_transfer_backend`):
+    "auto" takes shared memory here (one host), or one of grpc, shared_memory, torch_dist."""
+    num_prefill: int = 1
+    """Prefill workers (0 with --disaggregation never: the colocated mode)."""
+    num_decode: int = 1
+    """Decode workers."""
+    start_timeout: float = 120.0
+    """Seconds each service may take to become ready."""
+    placement: str = field(default="auto", metadata=flag(choices=PLACEMENTS))
+    """auto: give each worker CPUs of its own (and one GPU each on CUDA) and the router one CPU
+    when there is one to spare, threads to match (`services/cluster/placement.py`; the plan is
+    logged); none: leave every process unpinned with torch's default threads. A pool's --*-cpus or
+    --*-threads wins over the plan."""
+    prometheus_targets: str | None = None
+    """Write a Prometheus file_sd targets file here once the cluster is ready (every service's
+    /metrics, with service, worker and model labels; emptied after a clean stop): what
+    deploy/prometheus/prometheus.yml reads (`services/cluster/prometheus_targets.py`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill", "num_decode"):
+            value = getattr(self, name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            _check(ok, name, "must be an integer >= 0", value)
+        _check(self.num_decode >= 1, "num_decode", "must be >= 1", self.num_decode)
+        _check(
+            self.num_prefill >= 1 or self.router.disaggregation == "never",
+            "num_prefill",
+            "must be >= 1 unless --disaggregation never (every prompt prefilled on its decode "
+            "worker)",
+            self.num_prefill,
+        )
+        _check(
+            _is_number(self.start_timeout) and self.start_timeout > 0,
+            "start_timeout",
+            "must be > 0 seconds",
+            self.start_timeout,
+        )
+        _check(
+            self.placement in PLACEMENTS,
+            "placement",
+            f"expected one of {PLACEMENTS}",
+            self.placement,
+        )
+        ok = self.kv_transfer_backend in KV_TRANSFER_BACKENDS
+        _check(
+            ok,
+            "kv_transfer_backend",
+            f"expected one of {KV_TRANSFER_BACKENDS}",
+            self.kv_transfer_backend,
+        )
+        self._check_derived()
+
+    def _check_derived(self) -> None:
+        """The fields the cluster sets for each child must be left alone: a value given there
+        would be silently replaced (raises ValueError naming it and where to set it)."""
+        anonymous = dataclasses.replace(EngineConfig(), engine_id="-")
+        for pool in ("prefill", "decode"):
+            worker = getattr(self, pool)
+            if dataclasses.replace(worker.engine, engine_id="-") != anonymous:
+                raise ValueError(f"{pool}.engine: set by the cluster; set `engine` instead")
+            for name in ("host", "port", "metrics_port", "register_with", "kv_transfer_backend"):
+                if getattr(worker, name) != getattr(WorkerConfig, name):
+                    raise ValueError(
+                        f"{pool}.{name}: set by the cluster (router.host, free ports, "
+                        "kv_transfer_backend)"
+                    )
+        if self.prefill.index != PrefixIndexConfig():
+            raise ValueError("prefill.index: set by the cluster; set `index` instead")
+        defaults = RouterConfig()
+        for name in ("model", "max_model_len", "prefill", "decode", "index", "cpus"):
+            if getattr(self.router, name) != getattr(defaults, name):
+                raise ValueError(
+                    f"router.{name}: set by the cluster (from engine, index, the workers and "
+                    "the placement)"
+                )
+
+    def prefill_config(self, index: int, plan: PlacementPlan | None = None) -> PrefillConfig:
+        """The config of prefill worker `index` (free ports, its own engine id, the index, its
+        CPUs from `plan` unless the pool names its own)."""
+        worker = dataclasses.replace(self._member(self.prefill, index), index=self.index)
+        return _placed(worker, plan.prefill[index] if plan else None)
+
+    def decode_config(self, index: int, plan: PlacementPlan | None = None) -> DecodeConfig:
+        """The config of decode worker `index` (free ports, its own engine id, its CPUs from
+        `plan` unless the pool names its own)."""
+        return _placed(self._member(self.decode, index), plan.decode[index] if plan else None)
+
+    def _member(self, worker: W, index: int) -> W:
+        """Pool member `index`: the cluster's engine under a fresh engine id, on free ports of
+        the router's host."""
+        engine_id = f"{worker.role.value}-{index}-{uuid.uuid4().hex[:12]}"
+        engine = dataclasses.replace(self.engine, engine_id=engine_id)
+        return dataclasses.replace(
+            worker,
+            engine=engine,
+            host=self.router.host,
+            port=0,
+            metrics_port=0,
+            kv_transfer_backend=self.kv_transfer_backend,
+        )
+
+    def router_config(
+        self, prefill: list[str], decode: list[str], plan: PlacementPlan | None = None
+    ) -> RouterConfig:
+        """The router's config, pointed at the workers' gRPC addresses, on `plan`'s CPUs."""
+        return dataclasses.replace(
+            self.router,
+            cpus=format_cpus(plan.router) if plan else None,
+            model=self.engine.model,
+            max_model_len=self.engine.max_model_len,
+            index=self.index,
+            prefill=tuple(prefill),
+            decode=tuple(decode),
+        )
+
+
+def _placed(worker: W, cpus: tuple[int, ...] | None) -> W:
+    """`worker` on `cpus` (threads follow: one per CPU), unless its pool named CPUs itself."""
+    if cpus is None or worker.cpus is not None:
+        return worker
+    return dataclasses.replace(worker, cpus=format_cpus(cpus))

@@ -1,0 +1,97 @@
+"""`pdserve serve`'s cluster: which services to start, with which configs and commands.
+
+`cluster_spec` turns a `ClusterConfig` (and its placement plan) into the child processes of a
+local cluster: `num_prefill` + `num_decode` workers, then a router pointed at their addresses.
+`services/cluster/supervisor.py` starts them, watches them and restarts one that dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from services.cluster.children import ChildSpec
+from services.cluster.config import ClusterConfig
+from services.cluster.placement import PlacementPlan, plan_placement, visible_gpus
+from services.config.handoff import to_json
+from services.config.roles import API_KEY_ENV
+
+READY_PREFIX = "ready "
+logger = logging.getLogger("pdserve.serve")
+
+
+# --- what to start -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The workers, and how to build the router's command from the workers' gRPC addresses."""
+
+    workers: list[ChildSpec]
+    router: Callable[[list[str], list[str]], ChildSpec]  # (prefill addrs, decode addrs) -> spec
+    start_timeout: float = 120.0  # seconds for each stage (workers, router) to become ready
+    stop_timeout: float = 10.0  # seconds between SIGTERM and SIGKILL
+    plan_line: str = ""  # the placement, logged at start
+    prometheus_targets: str | None = None  # file_sd file once ready (emptied on a clean stop)
+    model: str = ""  # the served model, the targets' `model` label
+
+
+def child_spec(
+    name: str, role: str, config: Any, env: Mapping[str, str] | None = None
+) -> ChildSpec:
+    """`python -m services.cli.main ROLE --config-json ...`: the child gets its whole config. A
+    router's API key goes through the environment, never the command line (`ps` shows argv)."""
+    env = dict(env or {})
+    key = getattr(config, "api_key", None)
+    if key:
+        env[API_KEY_ENV] = key
+    shown = dataclasses.replace(config, api_key=None) if key else config
+    argv = [sys.executable, "-m", "services.cli.main", role, "--config-json", to_json(shown)]
+    return ChildSpec(name, role, argv, config, env)
+
+
+def placement_plan(
+    config: ClusterConfig, cpus: list[int] | None = None, environ: Mapping[str, str] = os.environ
+) -> PlacementPlan | None:
+    """The cluster's placement (None with `placement: none`): over `cpus` (default: the CPUs
+    this process may use) and, for a CUDA engine, the visible GPUs. Raises ValueError when
+    there are fewer GPUs than workers."""
+    if config.placement == "none":
+        return None
+    gpus = visible_gpus(environ) if config.engine.device == "cuda" else []
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    return plan_placement(cpus, config.num_prefill, config.num_decode, gpus)
+
+
+def cluster_spec(config: ClusterConfig, plan: PlacementPlan | None = None) -> ClusterSpec:
+    """The `pdserve serve` cluster: `num_prefill` + `num_decode` workers, each with the config
+    `config.prefill_config(i, plan)` / `config.decode_config(i, plan)` derives (and its GPU as
+    CUDA_VISIBLE_DEVICES), then the router pointed at their addresses."""
+
+    pools = (
+        ("prefill", config.num_prefill, config.prefill_config, plan.prefill_gpus if plan else ()),
+        ("decode", config.num_decode, config.decode_config, plan.decode_gpus if plan else ()),
+    )
+    workers = []
+    for role, count, member, gpus in pools:
+        for i in range(count):
+            worker = member(i, plan)
+            env = {"CUDA_VISIBLE_DEVICES": str(gpus[i])} if gpus else {}
+            workers.append(child_spec(f"{role}-{i}", role, worker, env))
+
+    def router(prefill: list[str], decode: list[str]) -> ChildSpec:
+        return child_spec("router", "router", config.router_config(prefill, decode, plan))
+
+    return ClusterSpec(
+        workers,
+        router,
+        start_timeout=config.start_timeout,
+        plan_line=plan.describe() if plan else "placement: none (every process unpinned)",
+        prometheus_targets=config.prometheus_targets,
+        model=config.engine.model,
+    )

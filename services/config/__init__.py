@@ -1,0 +1,1 @@
+"""One frozen, validated config per service role and their JSON hand-off to child processes."""

@@ -1,0 +1,309 @@
+"""One frozen, validated config per role: what each service is built from.
+
+`RouterConfig`, `PrefillConfig` and `DecodeConfig` (each worker config holds its `EngineConfig`)
+describe one service; `ClusterConfig` (`cluster/config.py`) describes a local cluster
+(`pdserve serve`) and derives its children's configs. The CLI's flags are generated from these
+fields (`services/flags.py`), `pdserve serve` hands each child its config as JSON
+(`config/handoff.py`), and every service can be started in-process from its config object (the
+tests, and the Ray deployment). Each default is written once; a new setting is a new field,
+and every entry point gets it.
+
+Imports no torch (the router and the CLI load this module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+from services.config.http import HttpConfig
+from services.config.migration import MigrationConfig
+from services.engine.config import DEFAULT_MODEL, EngineConfig, EngineRole
+from services.flags import flag
+from services.kv_transfer.registry import KV_TRANSFER_BACKENDS
+from services.worker.cpus import parse_cpu_list
+
+ROUTING_POLICIES = ("kv", "least_loaded", "round_robin")
+DISAGGREGATION_MODES = ("auto", "always", "never")
+DEFAULT_ROUTER_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
+API_KEY_ENV = "PDSERVE_API_KEY"  # the router's api_key when its config sets none
+
+
+def _check(ok: bool, name: str, message: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}, got {value!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_listen(host: object, port: object, metrics_port: object) -> None:
+    """Where a service listens: a host, a gRPC port and a /metrics port."""
+    _check(isinstance(host, str) and bool(host), "host", "must be a host name or address", host)
+    _check_port("port", port)
+    _check_port("metrics_port", metrics_port)
+
+
+def _check_port(name: str, value: object) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 65536
+    _check(ok, name, "must be a port number in [0, 65536) (0 picks a free one)", value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefixIndexConfig:
+    """Where the router learns which prefill worker caches which prefix."""
+
+    redis_url: str | None = None
+    """Prefix index in Redis, e.g. redis://127.0.0.1:6379/0 (None: in-process, approximate)."""
+    index_ttl: float = 10.0
+    """Seconds (> 0) a prefill worker stays in the Redis index without a heartbeat."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.redis_url is None
+            or isinstance(self.redis_url, str)
+            and self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+            "redis_url",
+            "must be a redis:// URL or None",
+            self.redis_url,
+        )
+        _check(
+            _is_number(self.index_ttl) and self.index_ttl > 0,
+            "index_ttl",
+            "must be > 0",
+            self.index_ttl,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """The router: public Generate API (gRPC, optional OpenAI HTTP), routing, worker pool."""
+
+    model: str = DEFAULT_MODEL
+    """The served model (its tokenizer, chat template and limits): a folder or known name."""
+    host: str = "127.0.0.1"
+    """Address every server of this service binds."""
+    port: int = DEFAULT_ROUTER_PORT
+    """gRPC port of the public Generate API (0 picks a free one)."""
+    metrics_port: int = 0
+    """Prometheus /metrics port (0 picks a free one)."""
+    http_port: int | None = field(default=None, metadata=flag(no_flag="no-http"))
+    """OpenAI-compatible HTTP port (0 picks a free one; None: no HTTP API)."""
+    prefill: tuple[str, ...] = ()
+    """A prefill worker's HOST:PORT (repeat the flag for each)."""
+    decode: tuple[str, ...] = ()
+    """A decode worker's HOST:PORT (repeat the flag for each)."""
+    request_timeout: float = 300.0
+    """Seconds a request may take when its client set no deadline."""
+    routing: str = field(default="kv", metadata=flag(choices=ROUTING_POLICIES))
+    """kv: prefix-cache overlap against load; least_loaded; round_robin."""
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    """The prefix index (shared with the prefill workers)."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens (None: the model's positions)."""
+    max_queued_requests: int = 64
+    """Requests admitted beyond what the decode pool runs at once (the sum of its workers'
+    max_num_seqs); more get RESOURCE_EXHAUSTED / 429 with Retry-After at once, never a wait."""
+    max_n: int = 16
+    """Most sequences one request may ask for (OpenAI's `n`), per prompt."""
+    disaggregation: str = field(default="auto", metadata=flag(choices=DISAGGREGATION_MODES))
+    """auto: prefill on the decode worker when the prompt's uncached part is at most
+    max_local_prefill_tokens, else on the prefill pool; always: every prompt on the prefill
+    pool; never: every prompt on its decode worker (colocated; no prefill worker needed)."""
+    max_local_prefill_tokens: int = 0
+    """auto: longest uncached prompt (tokens) prefilled on the decode worker (README: the
+    crossover benchmark behind this default)."""
+    api_key: str | None = field(default=None, repr=False)
+    """Clients must send it (HTTP `Authorization: Bearer KEY`, gRPC metadata `authorization`);
+    /health and /metrics stay open (default: $PDSERVE_API_KEY, else none)."""
+    http: HttpConfig = field(default_factory=HttpConfig)
+    """The HTTP API's limits and timeouts."""
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
+    """When a stream moves to another decode worker (its worker died or stalled)."""
+    registration_ttl: float = 10.0
+    """Seconds a worker that registered at run time (`--register-with`, or the Ray
+    deployment's registry) stays in the pool without renewing."""
+    cpus: str | None = None
+    """CPU affinity, e.g. 0 or 0-1 (default: not pinned; `pdserve serve` sets its plan's)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            bool(self.model) and isinstance(self.model, str),
+            "model",
+            "must not be empty",
+            self.model,
+        )
+        _check_listen(self.host, self.port, self.metrics_port)
+        if self.http_port is not None:
+            _check_port("http_port", self.http_port)
+        for name in ("prefill", "decode"):
+            _check(
+                isinstance(getattr(self, name), tuple),
+                name,
+                "must be a tuple of HOST:PORT",
+                getattr(self, name),
+            )
+        _check(
+            _is_number(self.request_timeout) and self.request_timeout > 0,
+            "request_timeout",
+            "must be > 0 seconds",
+            self.request_timeout,
+        )
+        _check(
+            self.routing in ROUTING_POLICIES,
+            "routing",
+            f"expected one of {ROUTING_POLICIES}",
+            self.routing,
+        )
+        if self.max_model_len is not None:
+            ok = isinstance(self.max_model_len, int) and self.max_model_len >= 1
+            _check(ok, "max_model_len", "must be an integer >= 1", self.max_model_len)
+        _check(
+            self.disaggregation in DISAGGREGATION_MODES,
+            "disaggregation",
+            f"expected one of {DISAGGREGATION_MODES}",
+            self.disaggregation,
+        )
+        for name, low in (
+            ("max_queued_requests", 0),
+            ("max_n", 1),
+            ("max_local_prefill_tokens", 0),
+        ):
+            value = getattr(self, name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+            _check(ok, name, f"must be an integer >= {low}", value)
+        _check(
+            self.api_key is None or isinstance(self.api_key, str) and bool(self.api_key),
+            "api_key",
+            "must be a non-empty string or None",
+            "<hidden>",
+        )
+        _check(isinstance(self.http, HttpConfig), "http", "must be an HttpConfig", self.http)
+        ok = isinstance(self.migration, MigrationConfig)
+        _check(ok, "migration", "must be a MigrationConfig", self.migration)
+        _check(
+            _is_number(self.registration_ttl) and self.registration_ttl > 0,
+            "registration_ttl",
+            "must be > 0 seconds",
+            self.registration_ttl,
+        )
+        if self.cpus is not None:
+            parse_cpu_list(self.cpus, flag="cpus")
+
+
+def with_env_api_key(config: RouterConfig, environ: typing.Mapping[str, str]) -> RouterConfig:
+    """`config` with `api_key` from $PDSERVE_API_KEY when it sets none (as vLLM's
+    VLLM_API_KEY)."""
+    key = environ.get(API_KEY_ENV)
+    return dataclasses.replace(config, api_key=key) if config.api_key is None and key else config
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """What every worker process has: its engine, where it listens, its CPUs, its drain."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata=flag(exclude=("role",)))
+    """The engine (its role is the worker's)."""
+    host: str = "127.0.0.1"
+    """Address this worker binds (a prefill worker also advertises it: decode workers pull KV
+    from it)."""
+    port: int = 0
+    """gRPC port (0 picks a free one)."""
+    metrics_port: int = 0
+    """Prometheus /metrics port (0 picks a free one)."""
+    threads: int | None = None
+    """torch intra-op threads (default: one per CPU of `cpus`, else torch's own)."""
+    cpus: str | None = None
+    """CPU affinity, e.g. 0,1 or 0-3 (default: not pinned)."""
+    drain_timeout: float = 30.0
+    """On SIGTERM: seconds to finish in-flight requests (new ones are refused)."""
+    register_with: tuple[str, ...] = ()
+    """A router's HOST:PORT to join at start (Admin.RegisterWorker), renewing until a clean
+    stop leaves it (repeat the flag for each router; default: the router lists this worker)."""
+    kv_transfer_backend: str = field(default="auto", metadata=flag(choices=KV_TRANSFER_BACKENDS))
+    """How prompt KV moves between workers: "auto" (shared memory between workers on one host,
+    torch.distributed between GPU workers of one node, gRPC otherwise), or one of them forced.
+    A prefill worker offers what it allows; a decode worker picks per prefill worker."""
+
+    role: typing.ClassVar[EngineRole]
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.engine, EngineConfig), "engine", "must be an EngineConfig", self.engine
+        )
+        _check_listen(self.host, self.port, self.metrics_port)
+        if self.threads is not None:
+            ok = isinstance(self.threads, int) and not isinstance(self.threads, bool)
+            _check(ok and self.threads >= 1, "threads", "must be >= 1", self.threads)
+        if self.cpus is not None:
+            parse_cpu_list(self.cpus, flag="cpus")
+        _check(
+            _is_number(self.drain_timeout) and self.drain_timeout >= 0,
+            "drain_timeout",
+            "must be >= 0 seconds",
+            self.drain_timeout,
+        )
+        _check(
+            isinstance(self.register_with, tuple),
+            "register_with",
+            "must be a tuple of HOST:PORT",
+            self.register_with,
+        )
+        _check(
+            self.kv_transfer_backend in KV_TRANSFER_BACKENDS,
+            "kv_transfer_backend",
+            f"must be one of {', '.join(KV_TRANSFER_BACKENDS)}",
+            self.kv_transfer_backend,
+        )
+
+    def engine_config(self) -> EngineConfig:
+        """The engine this worker runs: its `engine` in the worker's role."""
+        return dataclasses.replace(self.engine, role=self.role)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillConfig(WorkerConfig):
+    """A prefill worker: runs prompts, pins their KV under a lease, serves it to decode workers."""
+
+    engine: EngineConfig = field(
+        default_factory=EngineConfig,
+        metadata=flag(exclude=("role", "kv_transfer_timeout_s", "max_num_waiting_for_kv")),
+    )
+    """The engine (PREFILL role)."""
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    """Where this worker publishes its prefix-cache events (Redis), if anywhere."""
+    debug_kv_stall_seconds: float = field(default=0.0, metadata=flag(hidden=True))
+    """Test hook: hold every PullKV this long before its first chunk."""
+
+    role: typing.ClassVar[EngineRole] = EngineRole.PREFILL
+
+    def engine_config(self) -> EngineConfig:
+        """PREFILL role; prefix-cache events recorded when a Redis index is set."""
+        events = self.engine.enable_kv_events or self.index.redis_url is not None
+        return dataclasses.replace(self.engine, role=self.role, enable_kv_events=events)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig(WorkerConfig):
+    """A decode worker: pulls prompt KV, runs the continuous batch, streams tokens."""
+
+    engine: EngineConfig = field(
+        default_factory=EngineConfig, metadata=flag(exclude=("role", "kv_lease_seconds"))
+    )
+    """The engine (DECODE role)."""
+    debug_zero_kv_block: int | None = field(default=None, metadata=flag(hidden=True))
+    """Test hook: zero this block of every received KV (proves decode uses the pulled KV)."""
+    debug_recompute_prompt: bool = field(default=False, metadata=flag(hidden=True))
+    """Test hook: recompute every prompt instead of pulling its KV (fires the recompute alert;
+    `EngineConfig.debug_recompute_prompt`)."""
+
+    role: typing.ClassVar[EngineRole] = EngineRole.DECODE
+
+    def engine_config(self) -> EngineConfig:
+        """DECODE role, with the recompute test hook passed on."""
+        return dataclasses.replace(
+            self.engine, role=self.role, debug_recompute_prompt=self.debug_recompute_prompt
+        )

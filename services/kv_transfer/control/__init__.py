@@ -1,0 +1,1 @@
+"""The gRPC control plane all KV data paths share: handshake, leases, release, path choice."""

@@ -1,0 +1,133 @@
+"""The Prefill RPC of one request: a picked worker, its retry, its cancel and its stall.
+
+A worker that answers UNAVAILABLE (dead, draining) or that the watchdog cut (stalled while
+failing its health checks) is marked unhealthy and the call goes once to another healthy worker,
+waiting up to `--migration-wait` seconds for one when none is left (a restarted one counts).
+A cancel (client, deadline, shutdown) releases whatever the worker may have pinned by the
+request's id. Mixed into `request_run.RequestRun`, whose state it uses.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from services.common import request_id
+from services.common.convert import sampling_to_proto
+from services.common.errors import ServiceUnavailableError
+from services.common.pb import worker_pb2
+from services.router.flow.cancel import CancelScope, RequestCancelledError
+from services.router.flow.prompt import PreparedRequest
+from services.router.flow.request_stats import RequestStats
+from services.router.flow.siblings import Siblings
+from services.router.flow.watchdog import StalledCallError
+
+if TYPE_CHECKING:
+    from services.router.flow.generate import GenerateFlow
+
+
+class PrefillCalls:
+    """Prefill of one request; `RequestRun` provides the state below."""
+
+    flow: GenerateFlow
+    scope: CancelScope
+    stats: RequestStats
+    siblings: Siblings | None
+    leader: bool
+    prefill_address: str
+    engine_request_id: str
+
+    def _remaining(self) -> float:
+        raise NotImplementedError
+
+    def _release_kv(self, request_id: str, source: str) -> None:
+        raise NotImplementedError
+
+    def _prefill(self, prepared: PreparedRequest, resumed: list[int]) -> worker_pb2.PrefillResponse:
+        """Runs the Prefill RPC (of the prompt, plus a migrated request's `resumed` outputs) on
+        a picked worker; cancellable through the scope. A worker that answers UNAVAILABLE (dead,
+        draining, or stalled while unhealthy) is marked unhealthy and the call goes once to
+        another healthy worker, waiting up to `--migration-wait` for one (a restarted worker
+        counts) when none is left."""
+        routing = self.flow.routing
+        context_ids = prepared.prompt_token_ids + resumed
+        num_prompt = len(context_ids)
+        prefer = None
+        if self.siblings is not None and not self.leader:
+            waited = time.monotonic()
+            prefer = self.siblings.prefill_worker(self._remaining())
+            self.stats.router_queue += time.monotonic() - waited  # behind the leader's prefill
+        for attempt in (1, 2):
+            self.prefill_address, _ = routing.pick_prefill(
+                context_ids, prepared.cache_salt, prefer if attempt == 1 else None
+            )
+            try:
+                response = self._call_prefill(prepared, resumed)
+            except grpc.RpcError as exc:
+                if not self._worker_went_away(exc):
+                    raise
+                self.flow.pool.mark_unhealthy(self.prefill_address)
+                # another healthy worker at once, or the first to turn up (a restarted one)
+                wait = min(self.flow.migration.migration_wait, self._remaining())
+                if attempt == 2 or not self.flow.pool.wait_healthy("prefill", wait):
+                    raise ServiceUnavailableError(
+                        f"prefill worker {self.prefill_address}: {exc.details()}"
+                        + ("" if attempt == 2 else f"; no other within {wait:.3g} s")
+                    ) from exc
+                continue
+            finally:
+                routing.prefill_done(self.prefill_address, num_prompt)
+            routing.learn_routed(self.prefill_address, context_ids, prepared.cache_salt)
+            if self.siblings is not None and self.leader:
+                self.siblings.prefilled(self.prefill_address)
+            return response
+        raise AssertionError("unreachable")
+
+    def _worker_went_away(self, exc: grpc.RpcError) -> bool:
+        """UNAVAILABLE (dead, draining), or CANCELLED by the worker's side (a server that is
+        stopping cancels the calls it still has) while this request was not cancelled."""
+        code = exc.code()
+        return code == grpc.StatusCode.UNAVAILABLE or (
+            code == grpc.StatusCode.CANCELLED
+            and not self.scope.cancelled
+            and not isinstance(exc, RequestCancelledError)
+        )
+
+    def _call_prefill(
+        self, prepared: PreparedRequest, resumed: list[int]
+    ) -> worker_pb2.PrefillResponse:
+        stub, rid = self.flow.pool.prefill_stub(self.prefill_address), self.engine_request_id
+        message = worker_pb2.PrefillRequest(
+            request_id=rid,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling=sampling_to_proto(prepared.params),
+            cache_salt=prepared.cache_salt,
+            output_token_ids=resumed,
+        )
+        self.scope.check()
+        start = time.monotonic()
+        future = self.scope.track(
+            stub.Prefill.future(message, timeout=self._remaining(), metadata=request_id.metadata())
+        )
+        try:
+            with self.flow.watchdog.watch(self.prefill_address, future) as watch:
+                response = future.result()
+        except grpc.FutureCancelledError:
+            # The worker may have pinned the prompt KV just as we cancelled: release it by id
+            # (a release that arrives before the pin is remembered and applied to it).
+            self._release_kv(rid, self.prefill_address)
+            if watch.stalled and not self.scope.cancelled:
+                raise StalledCallError(self.prefill_address) from None
+            raise self.scope.error() from None
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._release_kv(rid, self.prefill_address)
+            raise
+        finally:
+            self.scope.untrack(future)
+        self.stats.on_prefill(
+            time.monotonic() - start, response.compute_seconds, response.num_cached_tokens
+        )
+        return response

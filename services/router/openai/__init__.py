@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API over the router's request flow."""

@@ -1,0 +1,181 @@
+"""Routing policies: which prefill and which decode worker serve a request (`--routing`).
+
+- `kv` (default): a prefill worker's cost is the prompt tokens it would have to compute (those
+  past its longest cached prefix, from the prefix index) plus the prompt tokens already queued
+  on it by this router; the cheapest wins (Dynamo's KV router cost, overlap vs load; SGLang's
+  cache-aware policy in spirit). Decode: fewest requests in flight, then most free KV blocks.
+- `least_loaded`: fewest queued prompt tokens (prefill) / requests in flight (decode).
+- `round_robin`: the next healthy worker in turn.
+
+With `--redis-url` the index is exact: prefill workers publish their cache events to Redis. Without
+it the router keeps an approximate in-process index of where it sent each prompt's blocks (it
+cannot see evictions, so it can only expect hits that then miss). When the index is unreachable
+the `kv` policy routes by load alone. The worker's own cache always decides what is reused, so
+no policy can change an answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+
+from services.engine.block_hash import ROOT_HASH, block_hashes, max_cached_blocks
+from services.engine.kv_events import BlockStored
+from services.prefix_index.index import (
+    InMemoryPrefixIndex,
+    PrefixIndex,
+    PrefixIndexUnavailable,
+    make_prefix_index,
+)
+from services.router.pool.worker_pool import WorkerPool
+
+logger = logging.getLogger(__name__)
+POLICIES = ("kv", "least_loaded", "round_robin")
+
+
+class Routing:
+    """Picks workers for one request and keeps the router's per-worker load counts.
+
+    `index` (kv policy): where cached prefixes are; `learn=True` records each routed prompt in it
+    (the approximate in-process mode, without `redis_url`). Thread-safe.
+    """
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        policy: str = "kv",
+        redis_url: str | None = None,
+        index_ttl_s: float = 10.0,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"routing: expected one of {list(POLICIES)}, got {policy!r}")
+        if not index_ttl_s > 0:
+            raise ValueError(f"index_ttl: must be > 0 seconds, got {index_ttl_s!r}")
+        self.pool = pool
+        self.policy = policy
+        self.redis_url = redis_url
+        self.index_ttl_s = index_ttl_s
+        self.index: PrefixIndex | None = (
+            None  # made once the workers' model id and block size are known
+        )
+        self.learn = redis_url is None
+        self._lock = threading.Lock()
+        # Per worker, whenever it joined the pool: prompt tokens in flight (prefill), streams
+        # (decode).
+        self.queued_tokens: defaultdict[str, int] = defaultdict(int)
+        self.in_flight: defaultdict[str, int] = defaultdict(int)
+        self._index_down = False
+        self._turns = {"prefill": 0, "decode": 0}
+
+    def _rotated(self, candidates: list[str], role: str) -> list[str]:
+        """`candidates` starting one further on at each call: its first entry is round-robin,
+        and `min` over it breaks ties round-robin."""
+        with self._lock:
+            shift = self._turns[role] % len(candidates)
+            self._turns[role] += 1
+        return candidates[shift:] + candidates[:shift]
+
+    # -- prefill -------------------------------------------------------------------------------
+
+    def pick_prefill(
+        self, prompt_ids: Sequence[int], cache_salt: str = "", prefer: str | None = None
+    ) -> tuple[str, int]:
+        """(address, expected cached prompt tokens) for a prompt; the caller must call
+        `prefill_done(address, len(prompt_ids))` when its Prefill call ends. `prefer`: this
+        worker while it is healthy (a sibling sequence's, whose cache holds the prompt).
+        Raises ServiceUnavailableError when no prefill worker is configured."""
+        candidates = self._rotated(self.pool.healthy_prefill(), "prefill")
+        if prefer in candidates:
+            candidates = [prefer]
+        if self.policy == "round_robin":
+            address, expected = candidates[0], 0
+        else:
+            matched = (
+                self._matched_tokens(candidates, prompt_ids, cache_salt)
+                if self.policy == "kv"
+                else {}
+            )
+            with self._lock:
+                address = min(
+                    candidates,
+                    key=lambda a: (
+                        len(prompt_ids) - matched.get(a, 0) + self.queued_tokens[a],
+                        self.queued_tokens[a],
+                    ),
+                )
+            expected = matched.get(address, 0)
+        with self._lock:
+            self.queued_tokens[address] += len(prompt_ids)
+        return address, expected
+
+    def prefill_done(self, address: str, num_prompt_tokens: int) -> None:
+        with self._lock:
+            self.queued_tokens[address] -= num_prompt_tokens
+
+    def _matched_tokens(
+        self, candidates: list[str], prompt_ids: Sequence[int], salt: str
+    ) -> dict[str, int]:
+        """Prompt tokens each candidate holds cached, by the index; {} without hashing info or
+        when the index is unreachable (then routing goes by load)."""
+        layout = self.pool.prefill_layout()
+        if layout is None:
+            return {}
+        model_id, block_size = layout
+        if self.index is None:
+            if self.learn:  # guesses: no heartbeats, no evictions heard; keep a cache's worth each
+                self.index = InMemoryPrefixIndex(
+                    float("inf"), max_blocks_per_worker=self.pool.prefill_num_blocks()
+                )
+            else:
+                self.index = make_prefix_index(
+                    self.redis_url, model_id, block_size, self.index_ttl_s
+                )
+        num_blocks = max_cached_blocks(len(prompt_ids), block_size)  # the engine's own rule
+        hashes = block_hashes(
+            prompt_ids[: num_blocks * block_size], block_size, model_id, salt or None
+        )
+        try:
+            matched = self.index.match(hashes)
+            if self._index_down:
+                logger.warning("prefix index reachable again")
+            self._index_down = False
+        except PrefixIndexUnavailable as exc:
+            if not self._index_down:
+                logger.warning("prefix index unavailable (%s): routing by load", exc)
+            self._index_down = True
+            return {}
+        return {a: matched.get(a, 0) * block_size for a in candidates}
+
+    def learn_routed(self, address: str, prompt_ids: Sequence[int], cache_salt: str = "") -> None:
+        """Approximate mode: the worker at `address` is about to cache this prompt's full blocks."""
+        layout = self.pool.prefill_layout()
+        if not self.learn or layout is None or self.index is None:
+            return
+        model_id, block_size = layout
+        hashes = block_hashes(prompt_ids, block_size, model_id, cache_salt or None)
+        if hashes:
+            self.index.apply(address, [BlockStored(tuple(hashes), ROOT_HASH, (), block_size)])
+
+    # -- decode --------------------------------------------------------------------------------
+
+    def pick_decode(self, prefer: str | None = None) -> str:
+        """A decode worker (`prefer` while it is healthy); the caller must call
+        `decode_done(address)` when its stream ends."""
+        candidates = self._rotated(self.pool.healthy_decode(), "decode")
+        if prefer in candidates:
+            candidates = [prefer]
+        if self.policy == "round_robin":
+            address = candidates[0]
+        else:
+            free = self.pool.decode_free_blocks()
+            with self._lock:
+                address = min(candidates, key=lambda a: (self.in_flight[a], -free.get(a, 0)))
+        with self._lock:
+            self.in_flight[address] += 1
+        return address
+
+    def decode_done(self, address: str) -> None:
+        with self._lock:
+            self.in_flight[address] -= 1

@@ -1,0 +1,1 @@
+"""The worker-process runtime prefill/ and decode/ wrap: engine thread, admin, drain, CPU pins."""

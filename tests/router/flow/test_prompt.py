@@ -1,0 +1,109 @@
+"""Request validation and tokenization (services/router/flow/prompt.py): bad sampling and bad
+prompts name the field; text and chat prompts tokenize like the model's tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.pb import common_pb2, generate_pb2
+from services.engine.errors import InvalidRequestError
+from services.router.flow.prompt import ModelInfo, prepare_request
+from tests.router.fakes import PROMPT, _request
+
+
+@pytest.mark.parametrize(
+    "sampling, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_names_the_field(model_info, sampling, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        prepare_request(_request(**sampling), model_info)
+
+
+def test_bad_prompts_name_the_field(model_info):
+    cases = [
+        (generate_pb2.GenerateRequest(), "prompt"),
+        (generate_pb2.GenerateRequest(text=""), "prompt"),
+        (generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[])), "prompt"),
+        (
+            generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=[5, model_info.vocab_size])
+            ),
+            "prompt_token_ids",
+        ),
+        (
+            generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[-1])),
+            "prompt_token_ids",
+        ),
+        (generate_pb2.GenerateRequest(chat=generate_pb2.ChatMessages()), "prompt"),
+        (
+            generate_pb2.GenerateRequest(
+                chat=generate_pb2.ChatMessages(messages=[{"role": "robot", "content": "x"}])
+            ),
+            r"chat\.messages\[0\]\.role",
+        ),
+    ]
+    for request, field in cases:
+        with pytest.raises(InvalidRequestError, match=f"^{field}:"):
+            prepare_request(request, model_info)
+
+
+def _ids_request(ids: list[int], max_tokens: int) -> generate_pb2.GenerateRequest:
+    return generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=ids),
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+    )
+
+
+def test_prompt_at_max_model_len_is_refused(model_info):
+    short = ModelInfo.load(str(model_info.path), max_model_len=4)
+    with pytest.raises(InvalidRequestError, match="^prompt:.*max_model_len 4"):
+        prepare_request(_ids_request([1, 2, 3, 4], 1), short)
+    assert prepare_request(_ids_request([1, 2, 3], 1), short)
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_is_refused_up_front(model_info):
+    """vLLM's rule: prompt + max_tokens must fit max_model_len (400, never a 429 to retry)."""
+    short = ModelInfo.load(str(model_info.path), max_model_len=8)
+    with pytest.raises(InvalidRequestError, match=r"^max_tokens: prompt \(3 tokens\) \+ max"):
+        prepare_request(_ids_request([1, 2, 3], 6), short)
+    assert prepare_request(_ids_request([1, 2, 3], 5), short)
+    with pytest.raises(InvalidRequestError, match="^max_tokens: must be below max_model_len 8"):
+        prepare_request(_ids_request([1], 10**9), short)
+
+
+def test_a_text_far_too_long_is_refused_without_tokenizing(model_info, monkeypatch):
+    """15 MB of text cannot be under max_model_len tokens: refused in constant time."""
+    assert model_info.tokenizer is not None
+    monkeypatch.setattr(model_info.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    request = generate_pb2.GenerateRequest(text="x" * 15_000_000)
+    with pytest.raises(InvalidRequestError, match="^prompt: 15000000 characters are at least"):
+        prepare_request(request, model_info)
+    chat = generate_pb2.GenerateRequest()
+    chat.chat.messages.add(role="user", content="y" * 15_000_000)
+    with pytest.raises(InvalidRequestError, match="^messages: "):
+        prepare_request(chat, model_info)
+
+
+def test_text_and_chat_tokenize_like_the_tokenizer(model_info):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_info.path)
+    prepared = prepare_request(_request(max_tokens=3), model_info)
+    assert prepared.prompt_token_ids == tok.encode(PROMPT, add_special_tokens=False)
+    assert prepared.params.max_tokens == 3 and prepared.request_id
+    messages = [{"role": "user", "content": "hi"}]
+    chat = generate_pb2.GenerateRequest(chat=generate_pb2.ChatMessages(messages=messages))
+    expected = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    assert prepare_request(chat, model_info).prompt_token_ids == expected
