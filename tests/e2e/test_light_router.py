@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # heavy modules the process had loaded while it served.
 ROUTER = (
     "import json, sys\n"
-    "from services import cli\n"
+    "from services.cli import main as cli\n"
     "code = cli.main(sys.argv[2:])\n"
     "heavy = [m for m in ('torch', 'transformers.modeling_utils', 'ray') if m in sys.modules]\n"
     "open(sys.argv[1], 'w').write(json.dumps(heavy))\n"

@@ -38,7 +38,7 @@ def _loaded_after(statement: str) -> dict:
     [
         "import services.cli.client",
         "import services.router.server",
-        "from services import cli; cli._parser().format_help()",
+        "from services.cli import main as cli; cli._parser().format_help()",
         "import services.config.roles, services.engine",
     ],
 )
