@@ -7,16 +7,16 @@ transport-free source side every backend serves). The DECODE engine reserves blo
 handshakes with the source once (`handshake.py`), pulls the blocks it lacks through its
 backend's `KVReceiver`, writes them into its cache, then calls `complete()` so the source
 releases the pin exactly once. A destination that dies stops renewing the lease, and the source
-frees the blocks when it lapses. Backends: `in_memory.py` (both engines in one process) and
-`services/kv_transfer/control/receiver.py` (across processes); each runs the contract suite in
-tests/kv_transfer/test_contract.py.
+frees the blocks when it lapses. Receivers: `in_memory.py` (both engines in one process) and
+`services/kv_transfer/control/receiver.py` (across processes, over each data path of
+`registry.py`); each runs the contract suite in tests/kv_transfer/test_contract.py.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -104,14 +104,16 @@ class KVReceiver(ABC):
         """Release what the receiver holds (threads, channels)."""
 
 
-RECEIVERS: dict[str, type[KVReceiver]] = {}
+class DataPath(Protocol):
+    """How one source's blocks reach a receiver across processes (one per backend, named in
+    `services.kv_transfer.registry`): `stream` yields (block offset from `first_block`, piece)
+    in order, each piece [num_layers, 2, n, block_size, num_kv_heads, head_dim]; `on_call(c)`
+    gets the control call as it starts (`c.cancel()` cancels it)."""
 
+    name: str
 
-def register_receiver(name: str) -> Callable[[type[KVReceiver]], type[KVReceiver]]:
-    """Class decorator: list a KVReceiver backend under `name` (in_memory, grpc, ...)."""
+    def stream(
+        self, handle: KVHandle, first_block: int, on_call: Callable[..., object] | None
+    ) -> Iterator[tuple[int, torch.Tensor]]: ...
 
-    def register(cls: type[KVReceiver]) -> type[KVReceiver]:
-        RECEIVERS[name] = cls
-        return cls
-
-    return register
+    def close(self) -> None: ...

@@ -9,14 +9,13 @@ from __future__ import annotations
 import torch
 
 from services.engine.errors import KVTransferError
-from services.kv_transfer.base import KVReceiver, register_receiver
+from services.kv_transfer.base import KVReceiver
 from services.kv_transfer.handle import KVHandle
 from services.kv_transfer.handshake import KVPeerInfo, check_compatible
 from services.kv_transfer.lease import DEFAULT_LEASE_S
 from services.kv_transfer.sender import KVSender
 
 
-@register_receiver("in_memory")
 class InMemoryKVReceiver(KVReceiver):
     """Reads the published blocks of `sender`'s engines; `bytes_transferred` counts them."""
 

@@ -20,10 +20,9 @@ from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.config.roles import PrefillConfig
 from services.engine import Engine
 from services.engine.errors import InvalidRequestError
+from services.kv_transfer import registry
 from services.kv_transfer.control.service import KVTransferServicer, add_kv_transfer_servicer
 from services.kv_transfer.cuda_ipc.export import cuda_topology
-from services.kv_transfer.sender import KVSender
-from services.kv_transfer.shared_memory.source import SharedMemoryKVSender
 from services.prefix_index.index import make_prefix_index
 from services.prefix_index.publisher import KVEventPublisher
 from services.worker.engine_loop import EngineLoop
@@ -93,13 +92,9 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     says SERVING (NOT_SERVING until then). Raises ValueError naming a bad field, OSError naming
     the port that cannot be bound, and what `RunningWorker.warm_up_and_serve` raises."""
     backend, device = config.kv_transfer_backend, config.engine.device.split(":")[0]
-    sender = (
-        SharedMemoryKVSender(config.engine.kv_lease_seconds)
-        if backend in ("auto", "shared_memory") and device == "cpu"
-        else KVSender(config.engine.kv_lease_seconds)
-    )
+    sender = registry.make_sender(backend, device, config.engine.kv_lease_seconds)
     engine = Engine(config.engine_config(), kv_sender=sender)
-    offered = offered_backends(backend, sender, device)
+    offered = registry.offered(backend, sender, device)
     logger.info("KV transfer: --kv-transfer-backend %s, serving %s", backend, offered)
     if device.startswith("cuda"):
         logger.info("KV transfer topology: %s", cuda_topology())
@@ -154,26 +149,6 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     worker.warm_up_and_serve()
     worker.join_routers(config.register_with)
     return worker
-
-
-def offered_backends(backend: str, sender: KVSender, device: str = "cpu") -> tuple[str, ...]:
-    """The data paths a prefill worker serves under `--kv-transfer-backend backend`: gRPC
-    always (the fallback), shared memory when its cache is in a segment, CUDA IPC when it is on
-    a GPU, torch.distributed. Raises ValueError naming the flag when a forced one cannot be
-    served."""
-    shared = getattr(sender, "segment", None) is not None
-    on_cuda = device.startswith("cuda")
-    if backend == "shared_memory" and not shared:
-        raise ValueError(
-            "kv_transfer_backend: shared_memory needs the KV cache in /dev/shm on the CPU "
-            "(see the warning above for why it is not)"
-        )
-    if backend == "cuda_ipc" and not on_cuda:
-        raise ValueError("kv_transfer_backend: cuda_ipc needs the KV cache on CUDA (--device)")
-    auto = ("shared_memory", "cuda_ipc", "torch_dist")
-    wanted = {"auto": auto, "grpc": ()}.get(backend, (backend,))
-    usable = {"shared_memory": shared, "cuda_ipc": on_cuda}
-    return ("grpc", *(b for b in wanted if usable.get(b, True)))
 
 
 def _start_publisher(

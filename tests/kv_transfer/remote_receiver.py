@@ -18,8 +18,7 @@ from services.kv_transfer.handshake import KVPeerInfo
 
 
 def _serve(conn: Connection) -> None:
-    from services.kv_transfer.base import RECEIVERS
-    from services.kv_transfer.control import receiver as kv_transfer_grpc
+    from services.kv_transfer.control.receiver import GrpcKVReceiver
 
     receiver = None
     while True:
@@ -29,8 +28,7 @@ def _serve(conn: Connection) -> None:
                 if receiver is not None:
                     receiver.close()
                 name, kwargs = args
-                receiver = RECEIVERS[name](**kwargs)
-                assert isinstance(receiver, kv_transfer_grpc.GrpcKVReceiver)
+                receiver = GrpcKVReceiver(backend=name, **kwargs)
                 result = None
             elif method == "pull":  # as a decode worker: handshake (once), then pull
                 handle, first_block, local = args
@@ -53,9 +51,9 @@ def _serve(conn: Connection) -> None:
 
 
 class ProcessReceiver(KVReceiver):
-    """Receiver `name` from `RECEIVERS`, made with `kwargs` in a child process (one child serves
-    one receiver at a time; `renew(name, local, **kwargs)` replaces it). Its `pull` handshakes
-    first, with `local` (the destination's KVPeerInfo), as a decode worker does."""
+    """A `GrpcKVReceiver` over data path `name`, made with `kwargs` in a child process (one child
+    serves one receiver at a time; `renew(name, local, **kwargs)` replaces it). Its `pull`
+    handshakes first, with `local` (the destination's KVPeerInfo), as a decode worker does."""
 
     local: KVPeerInfo
 

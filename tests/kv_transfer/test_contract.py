@@ -16,7 +16,8 @@ import torch
 from services.common.grpc_server import start_service
 from services.engine import EngineRole, SamplingParams
 from services.engine.errors import KVHandshakeError, KVTransferError, RequestNotFoundError
-from services.kv_transfer.base import RECEIVERS, KVReceiver
+from services.kv_transfer import registry
+from services.kv_transfer.base import KVReceiver
 from services.kv_transfer.control.receiver import GrpcKVReceiver
 from services.kv_transfer.control.service import KVTransferServicer, add_kv_transfer_servicer
 from services.kv_transfer.handle import KVHandle
@@ -144,12 +145,10 @@ BACKENDS = {
 CUDA_ONLY = {"cuda_ipc"}
 
 
-def test_every_registered_receiver_runs_the_contract():
-    receivers = set(RECEIVERS) - CUDA_ONLY
-    assert receivers <= set(BACKENDS) | {n.removeprefix("remote_") for n in BACKENDS}
-    assert {n.removeprefix("remote_") for n in BACKENDS if n.startswith("remote_")} == (
-        receivers - {"in_memory"}
-    )
+def test_every_registered_data_path_runs_the_contract():
+    paths = set(registry.DATA_PATHS) - CUDA_ONLY
+    assert {n.removeprefix("remote_") for n in BACKENDS if n.startswith("remote_")} == paths
+    assert set(registry.KV_TRANSFER_BACKENDS) == {"auto", *registry.DATA_PATHS}
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.engine.errors import KVHandshakeError
-from services.kv_transfer.control.choice import choose
+from services.kv_transfer.registry import choose
 from services.kv_transfer.shared_memory.segment import (
     SharedSegment,
     segment_name,
@@ -123,8 +123,8 @@ def test_a_forced_cuda_ipc_path_that_does_not_map_fails_naming_the_flag():
 
 
 def test_what_a_prefill_worker_offers():
+    from services.kv_transfer.registry import offered as offered_backends
     from services.kv_transfer.sender import KVSender
-    from services.prefill.server import offered_backends
 
     plain = KVSender(5.0)
     assert offered_backends("auto", plain, "cuda:0") == ("grpc", "cuda_ipc", "torch_dist")

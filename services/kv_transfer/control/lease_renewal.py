@@ -1,6 +1,6 @@
-"""The destination's lease renewals (mixed into `GrpcKVReceiver`): one background thread renews,
-at each source, the lease of every request the worker still wants, every third of the shortest
-lease any source granted, so two renewals may fail in a row before a lease lapses."""
+"""The destination's lease renewals: one background thread renews, at each source, the lease of
+every request the decode worker still wants, every third of the shortest lease any source
+granted, so two renewals may fail in a row before a lease lapses."""
 
 from __future__ import annotations
 
@@ -21,38 +21,54 @@ HANDSHAKE_TIMEOUT_S = 5.0
 RENEW_TICK_S = 0.05
 
 
-class LeaseRenewal:
-    """Expects of its host class: `_lock`, `_peers` ((address, engine_id) -> lease seconds),
-    `_addresses` (request_id -> source address, while wanted), `_stop` (an Event) and
-    `_channel(address)`."""
+class LeaseRenewer:
+    """Renews leases from its own thread, started by the first `start()`.
 
-    _lock: threading.Lock
-    _peers: dict[tuple[str, str], float]
-    _addresses: dict[str, str]
-    _stop: threading.Event
-    _channel: Callable[[str], grpc.Channel]
+    `wanted()` gives {source address: [request ids still wanted there]}; `leases()` the lease
+    seconds each source granted (a shorter one learned later counts at once); `channel(address)`
+    a gRPC channel to a source; `name` the thread's name."""
 
-    def _renew_interval(self) -> float:
+    def __init__(
+        self,
+        wanted: Callable[[], dict[str, list[str]]],
+        leases: Callable[[], list[float]],
+        channel: Callable[[str], grpc.Channel],
+        name: str,
+    ) -> None:
+        self._wanted = wanted
+        self._leases = leases
+        self._channel = channel
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._started = threading.Lock()
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        """Start the renewal thread (once; later calls do nothing)."""
+        with self._started:
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        """Stop renewing (the thread ends within a tick)."""
+        self._stop.set()
+
+    def interval(self) -> float:
         """A third of the shortest lease any source granted: two renewals may fail in a row."""
-        with self._lock:
-            leases = list(self._peers.values())
-        return min([DEFAULT_LEASE_S, *leases]) / 3
+        return min([DEFAULT_LEASE_S, *self._leases()]) / 3
 
-    def _renew_loop(self) -> None:
+    def _run(self) -> None:
         last = time.monotonic()
         # A tick, so that a shorter lease learned later counts at once.
         while not self._stop.wait(RENEW_TICK_S):
-            if time.monotonic() - last >= self._renew_interval():
+            if time.monotonic() - last >= self.interval():
                 last = time.monotonic()
                 self.renew_leases()
 
     def renew_leases(self) -> None:
         """Renew, at each source, the lease of every request this worker still wants."""
-        with self._lock:
-            by_address: dict[str, list[str]] = {}
-            for request_id, address in self._addresses.items():
-                by_address.setdefault(address, []).append(request_id)
-        for address, request_ids in by_address.items():
+        for address, request_ids in self._wanted().items():
             try:
                 worker_pb2_grpc.KVTransferStub(self._channel(address)).RenewKVLease(
                     worker_pb2.RenewKVLeaseRequest(request_ids=request_ids),

@@ -4,12 +4,12 @@ is the prefill worker's `KVSender`, served by `kv_transfer/control/service.py`).
 Pull model (as vLLM's NixlConnector): the prefill worker keeps a request's blocks pinned under a
 lease and serves them from its `KVTransfer` service. A decode worker handshakes once per prefill
 engine (model id and KV layout must match, else FAILED_PRECONDITION on both sides), pulls the
-blocks over the data path the handshake chose (`kv_backends/`: PullKV chunks of at most 4 MiB,
-the source's shared-memory segment, or a torch.distributed group), renews the leases of every
-request it still wants from a background thread (every lease/3 seconds), and releases each
-request's pin with `ReleaseKV` once its KV has landed: gRPC is every path's control plane.
-Every call has a deadline: a stalled source fails the pull with DEADLINE_EXCEEDED after
-`timeout_s`, a dead one with UNAVAILABLE.
+blocks over the data path the handshake chose (`services.kv_transfer.registry`: PullKV chunks of at
+most 4 MiB, the source's shared-memory segment, or a torch.distributed group), renews the leases of
+every request it still wants from a background thread (every lease/3 seconds), and releases each
+request's pin with `ReleaseKV` once its KV has landed: gRPC is every path's control plane. Every
+call has a deadline: a stalled source fails the pull with DEADLINE_EXCEEDED after `timeout_s`, a
+dead one with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from services.engine.errors import (
     KVTransferError,
     RequestNotFoundError,
 )
-from services.kv_transfer.base import KVReceiver, register_receiver
-from services.kv_transfer.control.choice import DataPath, open_path
-from services.kv_transfer.control.lease_renewal import HANDSHAKE_TIMEOUT_S, LeaseRenewal
+from services.kv_transfer.base import DataPath, KVReceiver
+from services.kv_transfer.control.lease_renewal import HANDSHAKE_TIMEOUT_S, LeaseRenewer
+from services.kv_transfer.control.paths import open_path
 from services.kv_transfer.grpc.receiver import GrpcPath
 from services.kv_transfer.handle import KVHandle
 from services.kv_transfer.handshake import KVPeerInfo, check_compatible
@@ -47,11 +47,10 @@ from services.kv_transfer.shared_memory.segment import sweep_dead_segments
 logger = logging.getLogger(__name__)
 
 
-@register_receiver("grpc")
-class GrpcKVReceiver(LeaseRenewal, KVReceiver):
-    """The destination side: control over gRPC, blocks over the data path chosen per source
-    (`backend`) (the source side is the prefill worker's `KVSender`,
-    served by `kv_transfer_service.KVTransferServicer`).
+class GrpcKVReceiver(KVReceiver):
+    """The destination side of every cross-process backend: control over gRPC, blocks over the
+    data path chosen per source under `backend` (the source side is the prefill worker's
+    `KVSender`, served by `services.kv_transfer.control.service.KVTransferServicer`).
 
     `set_source(request_id, address)` tells the destination where a handle's blocks live;
     `forget(request_id)` ends its interest (the RPC that wanted it is over). `pull_chunks`
@@ -71,10 +70,11 @@ class GrpcKVReceiver(LeaseRenewal, KVReceiver):
         device: str = "cpu",
     ) -> None:
         """`engine_id`: the local engine's, sent in handshakes; `role`: the metrics label;
-        `backend`: the data path (`--kv-transfer-backend`: auto, grpc, shared_memory,
-        torch_dist; default the class's own); `device`: where the local KV cache lives."""
+        `backend`: the data path (`--kv-transfer-backend`: one of
+        `registry.KV_TRANSFER_BACKENDS`; default gRPC); `device`: where the local KV cache
+        lives."""
         self.engine_id = engine_id
-        self.backend = backend or self.default_backend
+        self.backend = backend or "grpc"
         self.device = device
         self.role = role
         self.timeout_s = timeout_s
@@ -85,22 +85,17 @@ class GrpcKVReceiver(LeaseRenewal, KVReceiver):
         self._channels = ChannelCache()
         self._lock = threading.Lock()
         self.pull_seconds: dict[str, float] = {}  # request_id -> seconds its last pull took
-        self._renewer: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._renewer = LeaseRenewer(
+            self._wanted, self._granted, self._channel, name=f"{role}-kv-lease"
+        )
         self.bytes_transferred = 0
-
-    default_backend = "grpc"
 
     # -- destination bookkeeping ---------------------------------------------------------------
 
     def set_source(self, request_id: str, address: str) -> None:
         with self._lock:
             self._addresses[request_id] = address
-            if self._renewer is None:
-                self._renewer = threading.Thread(
-                    target=self._renew_loop, name=f"{self.role}-kv-lease", daemon=True
-                )
-                self._renewer.start()
+        self._renewer.start()
 
     def forget(self, request_id: str) -> None:
         """Stop renewing the request's lease and forget its timings."""
@@ -110,7 +105,7 @@ class GrpcKVReceiver(LeaseRenewal, KVReceiver):
 
     def close(self) -> None:
         """Stop the lease renewals, drop every data path and close every channel."""
-        self._stop.set()
+        self._renewer.stop()
         with self._lock:
             paths, self._paths = list(self._paths.values()), {}
         for path in paths:
@@ -119,6 +114,23 @@ class GrpcKVReceiver(LeaseRenewal, KVReceiver):
 
     def _channel(self, address: str) -> grpc.Channel:
         return self._channels.get(address)
+
+    def _wanted(self) -> dict[str, list[str]]:
+        """{source address: [request ids still wanted there]}, for the lease renewals."""
+        with self._lock:
+            by_address: dict[str, list[str]] = {}
+            for request_id, address in self._addresses.items():
+                by_address.setdefault(address, []).append(request_id)
+        return by_address
+
+    def _granted(self) -> list[float]:
+        """The lease seconds each source handshaken with granted."""
+        with self._lock:
+            return list(self._peers.values())
+
+    def renew_leases(self) -> None:
+        """Renew now, at each source, the lease of every request still wanted."""
+        self._renewer.renew_leases()
 
     def _failure(
         self, request_id: str, address: str, exc: grpc.RpcError, what: str
@@ -163,7 +175,16 @@ class GrpcKVReceiver(LeaseRenewal, KVReceiver):
         if reply.engine_id != handle.engine_id:  # another process now listens at that address
             raise KVNotFoundError(f"{address} is engine {reply.engine_id}, not {handle.engine_id}")
         try:
-            path = open_path(self.backend, reply, self._channel(address), address, local.spec, self)
+            path = open_path(
+                self.backend,
+                reply,
+                self._channel(address),
+                address,
+                local.spec,
+                self.device,
+                self.timeout_s,
+                self.engine_id,
+            )
         except KVHandshakeError as exc:  # a forced path this source cannot serve
             metrics.KV_TRANSFER_FAILURES.labels(self.role, "handshake").inc()
             logger.error("KV from %s: %s", address, exc)
@@ -264,25 +285,3 @@ class GrpcKVReceiver(LeaseRenewal, KVReceiver):
         if address is None:
             return
         release_kv(self._channels.get(address), handle.request_id, address)
-
-
-@register_receiver("shared_memory")
-class SharedMemoryKVReceiver(GrpcKVReceiver):
-    """A GrpcKVReceiver whose blocks come out of the source's shared-memory segment."""
-
-    default_backend = "shared_memory"
-
-
-@register_receiver("torch_dist")
-class TorchDistKVReceiver(GrpcKVReceiver):
-    """A GrpcKVReceiver whose blocks come through a torch.distributed group per source."""
-
-    default_backend = "torch_dist"
-
-
-@register_receiver("cuda_ipc")
-class CudaIpcKVReceiver(GrpcKVReceiver):
-    """A GrpcKVReceiver whose blocks are copied device to device out of the source's GPU memory
-    (CUDA IPC: same GPU or peer GPUs)."""
-
-    default_backend = "cuda_ipc"

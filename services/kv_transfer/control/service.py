@@ -19,8 +19,8 @@ from services.common import metrics
 from services.common.convert import handle_from_proto, peer_info_from_proto, peer_info_to_proto
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.engine.errors import InvalidRequestError, KVHandshakeError
-from services.kv_transfer.control.choice import node_id
 from services.kv_transfer.control.local_paths import LocalKVPaths
+from services.kv_transfer.control.paths import node_id
 from services.kv_transfer.cuda_ipc.export import export_cuda_kv
 from services.kv_transfer.grpc.wire import encode_chunk
 from services.kv_transfer.handshake import KVPeerInfo, mismatches

@@ -1,10 +1,9 @@
-"""The mapped-cache data paths: the decode worker maps the source's whole KV cache once per
-source and, for each pull, copies the pinned blocks straight out of it into its own reserved
-blocks, then confirms with one ConfirmKVCopy call that the transfer is still live (so the
-blocks stayed pinned throughout the copy: an optimistic read validated after, as a seqlock
-reader does). Two mappings: a shared-memory segment (same host, CPU workers;
-`services/kv_transfer/shared_memory/segment.py`) and a CUDA IPC handle (same GPU or peer GPUs;
-`services/kv_transfer/cuda_ipc/export.py`)."""
+"""The shared-memory data path, receiver side, and what every mapped-cache path shares: the decode
+worker maps the source's whole KV cache once per source and, for each pull, copies the pinned
+blocks straight out of it into its own reserved blocks, then confirms with one ConfirmKVCopy call
+that the transfer is still live (so the blocks stayed pinned throughout the copy: an optimistic
+read validated after, as a seqlock reader does). The CUDA IPC path
+(`services/kv_transfer/cuda_ipc/receiver.py`) is a `MappedCachePath` too."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from services.common.convert import handle_to_proto
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.engine.errors import KVTransferError
 from services.engine.kv_cache import KVCacheSpec, block_runs
-from services.kv_transfer.cuda_ipc.export import CudaIpcExport, open_cuda_kv
 from services.kv_transfer.handle import KVHandle
 from services.kv_transfer.shared_memory.segment import SharedSegment, pid_alive
 
@@ -118,25 +116,3 @@ class SharedMemoryPath(MappedCachePath):
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         kv = segment.tensor(shape, spec.dtype)
         super().__init__(channel, address, kv, segment.owner_pid, timeout_s, keep=segment)
-
-
-class CudaIpcPath(MappedCachePath):
-    """The cache in the source's GPU memory through a CUDA IPC handle (same GPU, or GPUs with
-    peer access: the copies go device to device, over NVLink where there is one)."""
-
-    name = "cuda_ipc"
-
-    def __init__(
-        self,
-        channel: grpc.Channel,
-        address: str,
-        export: CudaIpcExport,
-        spec: KVCacheSpec,
-        local_device: torch.device,
-        timeout_s: float,
-    ) -> None:
-        kv = open_cuda_kv(export, local_device)
-        want = (spec.num_layers, 2, kv.shape[2], spec.block_size, spec.num_kv_heads, spec.head_dim)
-        if tuple(kv.shape) != want or kv.dtype != spec.dtype:
-            raise KVTransferError(f"cuda_ipc: {address}'s cache is {tuple(kv.shape)} {kv.dtype}")
-        super().__init__(channel, address, kv, export.owner_pid, timeout_s)

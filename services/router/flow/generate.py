@@ -23,6 +23,7 @@ from services.config.migration import MigrationConfig
 from services.config.roles import RouterConfig
 from services.router.flow.admission import AdmissionGate
 from services.router.flow.cancel import CancelScope
+from services.router.flow.context import FlowContext
 from services.router.flow.prompt import ModelInfo
 from services.router.flow.request_stats import count_error, create_series
 from services.router.flow.run import RequestRun
@@ -76,6 +77,15 @@ class GenerateFlow:
         self.admission = AdmissionGate(
             pool.decode_slots, max_queued_requests, lambda: pool.decode_slots(healthy_only=False)
         )
+        self.context = FlowContext(
+            model,
+            pool,
+            self.routing,
+            self.watchdog,
+            self.migration,
+            disaggregation,
+            max_local_prefill_tokens,
+        )
 
     def start(self) -> None:
         """Starts the progress watchdog (the pool's health checks drive its verdicts)."""
@@ -99,15 +109,8 @@ class GenerateFlow:
         return len(scopes)
 
     def path_for(self, num_prompt_tokens: int) -> str:
-        """ "local" (prefill on the decode worker) or "remote" (on the prefill pool) for a prompt
-        (`--disaggregation`). The router has no view of the decode workers' prefix caches, so
-        `auto` counts the whole prompt as uncached: a long prompt whose prefix a decode worker
-        holds still goes to the prefill pool (whose cache the index does see)."""
-        if self.disaggregation == "never":
-            return "local"
-        if self.disaggregation == "always":
-            return "remote"
-        return "local" if num_prompt_tokens <= self.max_local_prefill_tokens else "remote"
+        """The serving path for a prompt of that many tokens (`FlowContext.path_for`)."""
+        return self.context.path_for(num_prompt_tokens)
 
     def deadline_for(self, time_remaining: float | None) -> float:
         """Absolute `time.monotonic()` deadline for a client with `time_remaining` seconds left
@@ -149,7 +152,7 @@ class GenerateFlow:
             raise
         with self._lock:
             self._active.add(scope)
-        run = RequestRun(self, request, deadline, scope, siblings, leader, received)
+        run = RequestRun(self.context, request, deadline, scope, siblings, leader, received)
         finished = False
         try:
             for response in run.responses():

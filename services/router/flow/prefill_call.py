@@ -4,13 +4,13 @@ A worker that answers UNAVAILABLE (dead, draining) or that the watchdog cut (sta
 failing its health checks) is marked unhealthy and the call goes once to another healthy worker,
 waiting up to `--migration-wait` seconds for one when none is left (a restarted one counts).
 A cancel (client, deadline, shutdown) releases whatever the worker may have pinned by the
-request's id. Mixed into `request_run.RequestRun`, whose state it uses.
+request's id.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import grpc
 
@@ -19,39 +19,48 @@ from services.common.convert import sampling_to_proto
 from services.common.errors import ServiceUnavailableError
 from services.common.pb import worker_pb2
 from services.router.flow.cancel import CancelScope, RequestCancelledError
+from services.router.flow.context import FlowContext
 from services.router.flow.prompt import PreparedRequest
 from services.router.flow.request_stats import RequestStats
 from services.router.flow.siblings import Siblings
 from services.router.flow.watchdog import StalledCallError
 
-if TYPE_CHECKING:
-    from services.router.flow.generate import GenerateFlow
 
+class PrefillCall:
+    """The Prefill RPC of one request, its retry included. `remaining()` gives the seconds left
+    until the request's deadline (raises TimeoutError when none are); `release_kv(request_id,
+    address)` unpins what a prefill worker may hold for the request; `siblings`/`leader`: the
+    request's group of n sequences and whether it leads it; `stats` its timings."""
 
-class PrefillCalls:
-    """Prefill of one request; `RequestRun` provides the state below."""
+    def __init__(
+        self,
+        context: FlowContext,
+        scope: CancelScope,
+        stats: RequestStats,
+        remaining: Callable[[], float],
+        release_kv: Callable[[str, str], None],
+        siblings: Siblings | None = None,
+        leader: bool = True,
+    ) -> None:
+        self.context = context
+        self.scope = scope
+        self.stats = stats
+        self._remaining = remaining
+        self._release_kv = release_kv
+        self.siblings = siblings
+        self.leader = leader
+        self.prefill_address = ""  # the worker of the latest attempt
 
-    flow: GenerateFlow
-    scope: CancelScope
-    stats: RequestStats
-    siblings: Siblings | None
-    leader: bool
-    prefill_address: str
-    engine_request_id: str
-
-    def _remaining(self) -> float:
-        raise NotImplementedError
-
-    def _release_kv(self, request_id: str, source: str) -> None:
-        raise NotImplementedError
-
-    def _prefill(self, prepared: PreparedRequest, resumed: list[int]) -> worker_pb2.PrefillResponse:
-        """Runs the Prefill RPC (of the prompt, plus a migrated request's `resumed` outputs) on
-        a picked worker; cancellable through the scope. A worker that answers UNAVAILABLE (dead,
-        draining, or stalled while unhealthy) is marked unhealthy and the call goes once to
-        another healthy worker, waiting up to `--migration-wait` for one (a restarted worker
-        counts) when none is left."""
-        routing = self.flow.routing
+    def run(
+        self, prepared: PreparedRequest, resumed: list[int], engine_request_id: str
+    ) -> worker_pb2.PrefillResponse:
+        """Runs the Prefill RPC (of the prompt, plus a migrated request's `resumed` outputs) as
+        `engine_request_id` on a picked worker (`prefill_address` once it returns);
+        cancellable through the scope. A worker that answers UNAVAILABLE (dead, draining, or
+        stalled while unhealthy) is marked unhealthy and the call goes once to another healthy
+        worker, waiting up to `--migration-wait` for one (a restarted worker counts) when none
+        is left."""
+        routing = self.context.routing
         context_ids = prepared.prompt_token_ids + resumed
         num_prompt = len(context_ids)
         prefer = None
@@ -64,14 +73,14 @@ class PrefillCalls:
                 context_ids, prepared.cache_salt, prefer if attempt == 1 else None
             )
             try:
-                response = self._call_prefill(prepared, resumed)
+                response = self._call_prefill(prepared, resumed, engine_request_id)
             except grpc.RpcError as exc:
                 if not self._worker_went_away(exc):
                     raise
-                self.flow.pool.mark_unhealthy(self.prefill_address)
+                self.context.pool.mark_unhealthy(self.prefill_address)
                 # another healthy worker at once, or the first to turn up (a restarted one)
-                wait = min(self.flow.migration.migration_wait, self._remaining())
-                if attempt == 2 or not self.flow.pool.wait_healthy("prefill", wait):
+                wait = min(self.context.migration.migration_wait, self._remaining())
+                if attempt == 2 or not self.context.pool.wait_healthy("prefill", wait):
                     raise ServiceUnavailableError(
                         f"prefill worker {self.prefill_address}: {exc.details()}"
                         + ("" if attempt == 2 else f"; no other within {wait:.3g} s")
@@ -96,9 +105,9 @@ class PrefillCalls:
         )
 
     def _call_prefill(
-        self, prepared: PreparedRequest, resumed: list[int]
+        self, prepared: PreparedRequest, resumed: list[int], rid: str
     ) -> worker_pb2.PrefillResponse:
-        stub, rid = self.flow.pool.prefill_stub(self.prefill_address), self.engine_request_id
+        stub = self.context.pool.prefill_stub(self.prefill_address)
         message = worker_pb2.PrefillRequest(
             request_id=rid,
             prompt_token_ids=prepared.prompt_token_ids,
@@ -112,7 +121,7 @@ class PrefillCalls:
             stub.Prefill.future(message, timeout=self._remaining(), metadata=request_id.metadata())
         )
         try:
-            with self.flow.watchdog.watch(self.prefill_address, future) as watch:
+            with self.context.watchdog.watch(self.prefill_address, future) as watch:
                 response = future.result()
         except grpc.FutureCancelledError:
             # The worker may have pinned the prompt KV just as we cancelled: release it by id

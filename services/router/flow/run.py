@@ -9,7 +9,7 @@ errors are mapped by `services.common.errors.ErrorInterceptor`). Freeing work do
   KV landed (client gone, stop string in the first token, Decode failed or was never started),
   the router calls `KVTransfer.ReleaseKV` on the prefill worker named in the handle.
 Failures of a worker mid-request:
-- a Prefill call (`router/flow/prefill_call.py`) whose worker is UNAVAILABLE (dead, draining, or
+- a Prefill call (`prefill_call.py`) whose worker is UNAVAILABLE (dead, draining, or
   stalled while failing its health checks) goes once to another healthy prefill worker;
 - a decode worker that dies or stalls, or a prefill worker that loses the KV before it landed,
   moves the request to another worker (`migration.py`): the prompt plus the tokens already
@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -32,8 +31,9 @@ from services.common.errors import PeerUnavailableError
 from services.common.pb import common_pb2, generate_pb2, worker_pb2
 from services.engine.errors import InvalidRequestError
 from services.router.flow.cancel import CancelScope
+from services.router.flow.context import FlowContext
 from services.router.flow.migration import WorkerLost, decode_failure
-from services.router.flow.prefill_call import PrefillCalls
+from services.router.flow.prefill_call import PrefillCall
 from services.router.flow.prompt import PreparedRequest, prepare_request
 from services.router.flow.request_stats import RequestStats
 from services.router.flow.responses import ResponseStream, delta_response, drain, final_response
@@ -41,18 +41,15 @@ from services.router.flow.siblings import Siblings
 from services.router.flow.text_stream import TextStream
 from services.router.flow.watchdog import Watch
 
-if TYPE_CHECKING:
-    from services.router.flow.generate import GenerateFlow
-
 logger = logging.getLogger(__name__)
 
 
-class RequestRun(PrefillCalls):
+class RequestRun:
     """One request's state while it flows through prefill and decode."""
 
     def __init__(
         self,
-        flow: GenerateFlow,
+        context: FlowContext,
         request: generate_pb2.GenerateRequest,
         deadline: float,
         scope: CancelScope,
@@ -60,7 +57,7 @@ class RequestRun(PrefillCalls):
         leader: bool = True,
         received: float | None = None,
     ) -> None:
-        self.flow = flow
+        self.context = context
         self.siblings, self.leader = siblings, leader
         self.request = request
         self.deadline = deadline
@@ -72,12 +69,15 @@ class RequestRun(PrefillCalls):
         self.engine_request_id = request.request_id  # the workers' id (one per attempt)
         self.prefill_address = ""
         self.handle: common_pb2.KVHandle | None = None  # the pinned prompt KV, once prefilled
+        self.prefill = PrefillCall(
+            context, scope, self.stats, self._remaining, self._release_kv, siblings, leader
+        )
 
     def responses(self) -> Iterator[generate_pb2.GenerateResponse]:
         self.stats.on_started()
         prepared = self._prepare()
-        self.stats.on_path(self.flow.path_for(len(prepared.prompt_token_ids)))
-        text = TextStream(self.flow.model.tokenizer, prepared.prompt_token_ids, prepared.stop)
+        self.stats.on_path(self.context.path_for(len(prepared.prompt_token_ids)))
+        text = TextStream(self.context.model.tokenizer, prepared.prompt_token_ids, prepared.stop)
         try:
             while True:
                 try:
@@ -101,11 +101,12 @@ class RequestRun(PrefillCalls):
         if resumed:
             self.engine_request_id = f"{prepared.request_id}-m{self.stats.migrations}"
         num_context = len(prepared.prompt_token_ids) + len(resumed)
-        path = self.flow.path_for(num_context) if resumed else self.stats.path
+        path = self.context.path_for(num_context) if resumed else self.stats.path
         if path == "local":  # the decode worker prefills it: no KV to ship
             yield from self._decode(prepared, None, text, resumed)
             return
-        prefill = self._prefill(prepared, resumed)
+        prefill = self.prefill.run(prepared, resumed, self.engine_request_id)
+        self.prefill_address = self.prefill.prefill_address
         self.handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
         # from here on the prefill worker may hold pinned KV for this request
         first = text.add([prefill.first_token_id])
@@ -124,7 +125,7 @@ class RequestRun(PrefillCalls):
         """Takes the failed worker out of routing and readies the next attempt; raises
         PeerUnavailableError (naming it) past max_migrations or when no healthy worker of its
         role turns up within migration_wait seconds."""
-        config, pool = self.flow.migration, self.flow.pool
+        config, pool = self.context.migration, self.context.pool
         pool.mark_unhealthy(lost.address)
         self._release_unlanded()
         if self.stats.migrations >= config.max_migrations:
@@ -169,11 +170,11 @@ class RequestRun(PrefillCalls):
 
     def _prepare(self) -> PreparedRequest:
         start = time.monotonic()
-        prepared = prepare_request(self.request, self.flow.model)
+        prepared = prepare_request(self.request, self.context.model)
         self.request_id = self.engine_request_id = prepared.request_id
         self.stats.on_tokenized(len(prepared.prompt_token_ids), time.monotonic() - start)
         needed = len(prepared.prompt_token_ids) + prepared.params.max_tokens
-        capacity = self.flow.pool.decode_capacity()
+        capacity = self.context.pool.decode_capacity()
         if capacity is not None and needed > capacity:  # refused before any prefill work
             raise InvalidRequestError(
                 "max_tokens",
@@ -197,7 +198,7 @@ class RequestRun(PrefillCalls):
         prefer = None
         if self.siblings is not None and not self.leader and not resumed:
             prefer = self.siblings.decode_worker(self._remaining())
-        address = self.flow.routing.pick_decode(prefer)
+        address = self.context.routing.pick_decode(prefer)
         message = worker_pb2.DecodeRequest(
             request_id=self.engine_request_id,
             prompt_token_ids=prepared.prompt_token_ids,
@@ -209,12 +210,12 @@ class RequestRun(PrefillCalls):
         try:  # decode_done on every path, a cancel before the call starts included
             self.scope.check()
             call = self.scope.track(
-                self.flow.pool.decode_stub(address).Decode(
+                self.context.pool.decode_stub(address).Decode(
                     message, timeout=self._remaining(), metadata=request_id.metadata()
                 )
             )
             try:
-                with self.flow.watchdog.watch(address, call) as watch:
+                with self.context.watchdog.watch(address, call) as watch:
                     yield from self._stream_decode(call, handle, text, address, watch)
             except grpc.RpcError as exc:
                 if self.scope.cancelled:
@@ -228,7 +229,7 @@ class RequestRun(PrefillCalls):
                 self.scope.untrack(call)
                 call.cancel()  # no-op once the stream has completed; frees the worker otherwise
         finally:
-            self.flow.routing.decode_done(address)
+            self.context.routing.decode_done(address)
 
     def _stream_decode(
         self,
@@ -268,6 +269,6 @@ class RequestRun(PrefillCalls):
         lease frees it too). Sent without waiting: a busy worker answers between engine steps,
         and the request's thread has nothing to wait for."""
         try:
-            release_kv(self.flow.pool.channel(source), request_id, source)
+            release_kv(self.context.pool.channel(source), request_id, source)
         except ValueError as exc:  # a malformed source address
             logger.warning("ReleaseKV(%s) at %r not sent: %s", request_id, source, exc)
