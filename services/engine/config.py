@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.flags import flag
+from services.kv_transfer.lease import DEFAULT_LEASE_S
 
 if TYPE_CHECKING:
     import torch
@@ -21,12 +22,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_paged", "triton", "flex", "flash_attn")
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_KV_LEASE_S = 30.0
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class EngineRole(enum.Enum):
-    """What an engine does with a request (ARCHITECTURE.md, "Engine roles")."""
+    """What an engine does with a request (docs/architecture.md, "Engine roles")."""
 
     BOTH = "both"  # prefill and decode in one engine
     PREFILL = "prefill"  # run the prompt, sample the first token, keep the KV for export
@@ -96,7 +96,7 @@ class EngineConfig:
     max_num_waiting_for_kv: int = 64
     """DECODE role: most requests queued for KV blocks when the cache is full; one more is
     refused at once (RESOURCE_EXHAUSTED) instead of waiting unbounded."""
-    kv_lease_seconds: float = DEFAULT_KV_LEASE_S
+    kv_lease_seconds: float = DEFAULT_LEASE_S
     """PREFILL role: seconds a finished request's prompt KV stays pinned without a renewal from
     its decode worker; then its blocks are freed."""
     debug_recompute_prompt: bool = field(default=False, metadata=flag(cli=False))

@@ -8,7 +8,10 @@ handshake of vLLM's NIXL connector and of Mooncake's transfer engine in spirit).
 
 from __future__ import annotations
 
+import functools
+import socket
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.engine.errors import KVHandshakeError
@@ -63,3 +66,12 @@ def check_compatible(source: KVPeerInfo, destination: KVPeerInfo, peer: str) -> 
     diff = mismatches(source, destination)
     if diff:
         raise KVHandshakeError(f"KV handshake with {peer} refused: " + "; ".join(diff))
+
+
+@functools.cache
+def node_id() -> str:
+    """This machine's boot id (two workers with the same one share a node), else its host name."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()

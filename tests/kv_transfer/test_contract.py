@@ -124,7 +124,7 @@ def _remote(name, prefill, sender) -> Ends:
             lambda h: receiver.set_source(h.request_id, service.grpc_address),
             kill,
             service.grpc_address,
-            lambda: len(servicer._groups),
+            lambda: len(servicer.groups),
         )
     finally:
         servicer.close_groups()

@@ -3,10 +3,7 @@ its CUDA IPC handle opened, or its torch.distributed group formed."""
 
 from __future__ import annotations
 
-import functools
 import logging
-import socket
-from pathlib import Path
 
 import grpc
 import torch
@@ -19,20 +16,12 @@ from services.kv_transfer.base import DataPath
 from services.kv_transfer.cuda_ipc.export import CudaIpcExport
 from services.kv_transfer.cuda_ipc.receiver import CudaIpcPath
 from services.kv_transfer.grpc.receiver import GrpcPath
+from services.kv_transfer.handshake import node_id
 from services.kv_transfer.shared_memory.receiver import SharedMemoryPath
 from services.kv_transfer.shared_memory.segment import SharedSegment
 from services.kv_transfer.torch_dist.receiver import TorchDistPath
 
 logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def node_id() -> str:
-    """This machine's boot id (two workers with the same one share a node), else its host name."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return socket.gethostname()
 
 
 def open_path(

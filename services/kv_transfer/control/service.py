@@ -8,8 +8,6 @@ holds a pull, renews leases and releases pins (`services/kv_transfer/lease.py`).
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 
 import grpc
@@ -19,21 +17,22 @@ from services.common import metrics
 from services.common.convert import handle_from_proto, peer_info_from_proto, peer_info_to_proto
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.engine.errors import InvalidRequestError, KVHandshakeError
-from services.kv_transfer.control.local_paths import LocalKVPaths
-from services.kv_transfer.control.paths import node_id
+from services.kv_transfer.control.pulls import PullGuard
 from services.kv_transfer.cuda_ipc.export import export_cuda_kv
 from services.kv_transfer.grpc.wire import encode_chunk
-from services.kv_transfer.handshake import KVPeerInfo, mismatches
+from services.kv_transfer.handshake import KVPeerInfo, mismatches, node_id
 from services.kv_transfer.sender import KVSender
+from services.kv_transfer.torch_dist.source import GroupServer
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 * 1024 * 1024
 
 
-class KVTransferServicer(LocalKVPaths, worker_pb2_grpc.KVTransferServicer):
+class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
     """Prefill side: handshakes, streams pinned blocks, renews and releases leases; on one node
-    also the shared-memory and torch.distributed paths (`kv_transfer_local.LocalKVPaths`).
+    also confirms copies out of its mapped cache (shared memory, CUDA IPC) and serves
+    torch.distributed groups (`services/kv_transfer/torch_dist/source.py`).
 
     `backends`: the data paths offered besides PullKV ("shared_memory" needs the sender to be a
     `SharedMemoryKVSender` with a segment; "torch_dist" builds groups on the backend of
@@ -78,8 +77,8 @@ class KVTransferServicer(LocalKVPaths, worker_pb2_grpc.KVTransferServicer):
             b for b in self.backends if b != "cuda_ipc" or self.cuda_kv is not None
         )
         self._cuda_ipc_export = ""
-        self._groups = {}
-        self._pending_groups: dict[str, threading.Event] = {}  # opened, still forming
+        self.pulls = PullGuard(sender, on_engine, self.block_bytes, stall_s)
+        self.groups = GroupServer(self.pulls, self.dist_device, dist_host, group_timeout_s)
 
     def Handshake(self, request, context):
         remote = peer_info_from_proto(request.model_id, request.layout)
@@ -139,7 +138,7 @@ class KVTransferServicer(LocalKVPaths, worker_pb2_grpc.KVTransferServicer):
             )
         if not leases.renew(rid):
             leases.begin_pull(rid)  # raises NOT_FOUND, saying how the transfer ended
-        self._stall(context)
+        self.pulls.stall(context)
         per_chunk = max(1, self.chunk_bytes // self.block_bytes)
         for start in range(first_block, num_blocks, per_chunk):
             if not context.is_active():  # the destination went away
@@ -154,17 +153,35 @@ class KVTransferServicer(LocalKVPaths, worker_pb2_grpc.KVTransferServicer):
                     source.kv_buffers(handle, start, end),
                 )
             finally:
-                if leases.end_pull(rid):  # released while we read: free it now
-                    self.on_engine(lambda: self.sender.release_pin(rid))
+                self.pulls.end(rid)  # released while we read: freed now
             yield chunk
         metrics.KV_TRANSFER_BYTES.labels("prefill", "grpc").inc(
             (num_blocks - first_block) * self.block_bytes
         )
 
-    def _stall(self, context) -> None:
-        deadline = time.monotonic() + self.stall_s
-        while time.monotonic() < deadline and context.is_active():
-            time.sleep(0.05)
+    def ConfirmKVCopy(self, request, context) -> worker_pb2.ConfirmKVCopyResponse:
+        """The receiver copied the handle's blocks out of the mapped cache with no call before:
+        they were pinned at publish and a pin ends only with its transfer, so the copy is good
+        if the transfer is still live now (an optimistic read validated after, as a seqlock
+        reader does), and the handle names the pinned request's own blocks. Raises
+        RequestNotFoundError (NOT_FOUND) otherwise."""
+        self.pulls.stall(context)
+        handle = self.pulls.check(request)
+        num_blocks = len(self.sender.source(handle).pinned_blocks(handle, request.first_block))
+        # A source maps one kind of cache: its shared-memory segment (CPU) or its GPU memory.
+        mapped = "cuda_ipc" if self.cuda_kv is not None else "shared_memory"
+        self.pulls.count(mapped, handle, request.first_block)
+        return worker_pb2.ConfirmKVCopyResponse(num_blocks=num_blocks)
+
+    def OpenKVGroup(self, request, context):
+        return self.groups.open(request, context)
+
+    def SendKV(self, request, context):
+        return self.groups.send(request, context)
+
+    def close_groups(self, timeout_s: float = 5.0) -> None:
+        """End every torch.distributed group and wait until each is torn down."""
+        self.groups.close(timeout_s)
 
     def RenewKVLease(self, request, context):
         return worker_pb2.RenewKVLeaseResponse(
