@@ -30,4 +30,5 @@ fi
 ruff check .
 ruff format --check .
 mypy
+python scripts/check_imports.py
 python -m pytest -q "$@"
