@@ -6,7 +6,7 @@ model, driven by `pdserve bench serve`'s load generator over the OpenAI streamin
     python benchmarks/compare_serving.py --quick         # a few minutes: the protocol, small
 
 Protocol (issue 15):
-- vLLM's CPU build lives in its own venv (ARCHITECTURE.md's recipe; `--vllm-venv`), installed
+- vLLM's CPU build lives in its own venv (docs/benchmarks.md's recipe; `--vllm-venv`), installed
   on first use. All three servers run at once, each pinned to the machine's CPUs as its own
   placement does, and only one is under load at any moment.
 - Every server is warmed up first (vLLM's compile is excluded: it happens at its start): a

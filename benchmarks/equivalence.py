@@ -1,4 +1,4 @@
-"""The equivalence rule of ARCHITECTURE.md, applied after a benchmark run.
+"""The equivalence rule of docs/architecture.md, applied after a benchmark run.
 
 A benchmark decodes many requests greedily in pdserve and in transformers; where two outputs
 first differ, both sides' distributions at that position are recomputed for that one sequence

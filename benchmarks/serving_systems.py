@@ -1,5 +1,5 @@
 """The servers of the serving comparison, started and stopped: vLLM's CPU OpenAI server (in its
-own venv, installed by ARCHITECTURE.md's recipe when missing) and `pdserve serve` in the modes
+own venv, installed by docs/benchmarks.md's recipe when missing) and `pdserve serve` in the modes
 compared. Each is reached over its OpenAI HTTP API under the same model name."""
 
 from __future__ import annotations

@@ -5,8 +5,19 @@ Every other module asks here, so the full list of knobs is in one place.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+LOG_FORMAT = "PDSERVE_LOG_FORMAT"
+LOGGING_LEVEL = "PDSERVE_LOGGING_LEVEL"
+LOGGING_LEVELS = {
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARNING": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
+}
 
 
 def cache_dir() -> Path:
@@ -23,3 +34,22 @@ def triton_interpret() -> bool:
     """Whether Triton kernels run in Triton's CPU interpreter (`TRITON_INTERPRET=1`, which
     Triton itself reads): the Triton attention backend then runs on the CPU, for tests."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def log_format() -> str | None:
+    """`$PDSERVE_LOG_FORMAT` as set ("text" or "json" mean something; `services/common/logs.py`
+    judges), None when unset. `pdserve serve` sets it for its children to its `--log-format`."""
+    return os.environ.get(LOG_FORMAT)
+
+
+def logging_level() -> int:
+    """The level every pdserve process logs at: `$PDSERVE_LOGGING_LEVEL` (DEBUG, INFO, WARNING,
+    ERROR or CRITICAL, any case; default INFO), as vLLM's `VLLM_LOGGING_LEVEL`. `pdserve serve`'s
+    children inherit it. Raises ValueError naming the variable on any other value."""
+    value = os.environ.get(LOGGING_LEVEL, "INFO")
+    name = value.strip().upper()
+    if name not in LOGGING_LEVELS:
+        raise ValueError(
+            f"{LOGGING_LEVEL}: expected one of {', '.join(LOGGING_LEVELS)}, got {value!r}"
+        )
+    return LOGGING_LEVELS[name]

@@ -1,4 +1,4 @@
-"""The Hugging Face transformers reference and the equivalence rule of ARCHITECTURE.md.
+"""The Hugging Face transformers reference and the equivalence rule of docs/architecture.md.
 
 float32 rule: token ids must be equal, except that a divergence at a step where the reference's
 top-2 logits differ by less than 1e-3 is a tie (both choices are right) and the comparison ends

@@ -1,7 +1,7 @@
 """The figures of one benchmark point, from each request's timeline (no I/O; tested on
 hand-built timelines).
 
-Definitions, as `vllm bench serve` and ARCHITECTURE.md give them: TTFT = send -> first token;
+Definitions, as `vllm bench serve` and docs/architecture.md give them: TTFT = send -> first token;
 E2E = send -> last token; TPOT = (E2E - TTFT) / (output tokens - 1), per request with more
 than one token; ITL = every gap between consecutive token-carrying chunks; throughput = output
 tokens / the point's duration (first send -> last completion). Percentiles are linear

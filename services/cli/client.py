@@ -2,7 +2,7 @@
 `pdserve reset-prefix-cache`, the operator's call to a router's (or one worker's) Admin service.
 
 Text deltas go to stdout as they arrive; with `--json` nothing is streamed and one JSON object is
-printed at the end (ARCHITECTURE.md, CLI contract). A gRPC error prints
+printed at the end (docs/architecture.md, "The CLI"). A gRPC error prints
 `pdserve: error: CODE: details` and exits 2 for INVALID_ARGUMENT, 1 for anything else.
 """
 

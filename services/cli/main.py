@@ -10,20 +10,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import os
 import sys
-import time
-from dataclasses import asdict
 
-from services.cli.sampling import add_prompt_source, add_sampling, parse_ids, sampling_params
+from services import env
+from services.cli import run as run_command
+from services.cli.sampling import add_prompt_source, add_sampling
 from services.cluster.config import ClusterConfig
-from services.common.logs import ENV as LOG_ENV
 from services.common.logs import LOG_FORMATS, default_format
 from services.common.logs import configure as configure_logging
 from services.config.handoff import from_json
 from services.config.roles import DecodeConfig, PrefillConfig, RouterConfig, with_env_api_key
-from services.engine.config import EngineConfig
 from services.flags import add_config_flags, config_from_args, flag_message
 
 # Kept free of torch/transformers/grpc imports so `pdserve --help` answers at once: every command
@@ -35,17 +32,6 @@ SERVICES: dict[str, type] = {
     "decode": DecodeConfig,
     "router": RouterConfig,
 }
-# `pdserve run` has no transfer: these engine fields mean nothing there.
-_RUN_EXCLUDE = frozenset(
-    {
-        "role",
-        "engine_id",
-        "kv_transfer_timeout_s",
-        "max_num_waiting_for_kv",
-        "kv_lease_seconds",
-        "seed",
-    }  # `--seed` is the request's
-)
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -64,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     def add(name: str, help: str) -> argparse.ArgumentParser:  # noqa: A002 - argparse's name
         return commands.add_parser(name, help=help, formatter_class=_HelpFormatter)
 
-    _add_run(add("run", help="generate with an in-process engine (no servers)"))
+    run_command.add_run(add("run", help="generate with an in-process engine (no servers)"))
     helps = {
         "serve": "start a local cluster: router + prefill and decode pools",
         "prefill": "start one prefill worker",
@@ -86,7 +72,15 @@ def _parser() -> argparse.ArgumentParser:
             choices=LOG_FORMATS,
             default=default_format(),
             help="stderr logs as text or as one JSON object per line, each with its request "
-            "id (default: $PDSERVE_LOG_FORMAT or text; `serve` passes it on to its children)",
+            "id (default: $PDSERVE_LOG_FORMAT or text; `serve` passes it on to its children); "
+            "the level is $PDSERVE_LOGGING_LEVEL (DEBUG, INFO, WARNING, ERROR; default INFO)",
+        )
+        command.add_argument(
+            "--log-file",
+            default=None,
+            metavar="PATH",
+            help="also append the log lines to PATH (`serve`: its own and every child's, one "
+            "whole line at a time)",
         )
     _add_generate(add("generate", help="send one request to a router and stream the answer"))
     bench = add("bench", help="benchmarks against a running server").add_subparsers(
@@ -125,12 +119,6 @@ def _add_api_key(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_run(run: argparse.ArgumentParser) -> None:
-    add_prompt_source(run)
-    add_config_flags(run, EngineConfig, exclude=_RUN_EXCLUDE)
-    add_sampling(run)
-
-
 def service_config(args: argparse.Namespace) -> object:
     """The role config of a service command (`serve`, `prefill`, `decode`, `router`): from
     `--config-json` when given, else from the flags. Raises ValueError naming a bad flag."""
@@ -163,49 +151,6 @@ def _add_generate(generate: argparse.ArgumentParser) -> None:
     _add_api_key(generate)
 
 
-def _run(args: argparse.Namespace) -> int:
-    """`pdserve run`: one prompt through an in-process engine (`services.engine.LLM`)."""
-    from services.engine import LLM
-
-    params = sampling_params(args)
-    llm = LLM(config_from_args(args, EngineConfig))
-    if args.prompt_ids is not None:
-        prompt: str | list[int] = parse_ids(args.prompt_ids)
-    elif args.chat is not None:
-        prompt = llm.chat_prompt(args.chat)
-    else:
-        prompt = args.prompt
-    prompt_tokens = len(llm.prompt_token_ids(prompt))
-    start = time.perf_counter()
-    first_token_time, final, text, logprobs = None, None, "", []
-    for delta in llm.stream(prompt, params):
-        first_token_time = first_token_time or time.perf_counter()
-        logprobs += [asdict(lp) for lp in delta.output.new_logprobs]
-        text += delta.text
-        if not args.json:
-            print(delta.text, end="", flush=True)
-        final = delta.output
-    assert final is not None and first_token_time is not None
-    if not args.json:
-        print()
-        return 0
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": len(final.output_token_ids),
-        "cached_tokens": final.num_cached_tokens,
-    }
-    timings = {"ttft": first_token_time - start, "e2e": time.perf_counter() - start}
-    body = {
-        "text": text,
-        "token_ids": final.output_token_ids,
-        "finish_reason": final.finish_reason,
-        "usage": usage,
-        "timings": timings,
-    }
-    print(json.dumps({**body, **({"logprobs": logprobs} if args.logprobs is not None else {})}))
-    return 0
-
-
 def _serve(args: argparse.Namespace) -> int:
     from services.cluster import launcher, supervisor
     from services.engine.loader import model_limits, resolve_model
@@ -216,19 +161,32 @@ def _serve(args: argparse.Namespace) -> int:
         from services.cluster.prometheus_targets import check_path
 
         check_path(config.prometheus_targets)  # refused before anything starts
-    os.environ[LOG_ENV] = args.log_format  # the children log as this process does
-    configure_logging(args.log_format, "serve")
+    os.environ[env.LOG_FORMAT] = args.log_format  # the children log as this process does
+    # The children inherit $PDSERVE_LOGGING_LEVEL and log to their stderr only: the supervisor
+    # relays their lines into the log file, so one process writes it.
+    _configure_logging(args, "serve")
     # What every child would refuse, refused before any starts (no torch here: config.json).
     model_limits(resolve_model(config.engine.model), config.engine.max_model_len)
     plan = launcher.placement_plan(config)
     return supervisor.Supervisor(launcher.cluster_spec(config, plan)).run()
 
 
+def _configure_logging(args: argparse.Namespace, role: str) -> None:
+    """stderr (and `--log-file`) logs at $PDSERVE_LOGGING_LEVEL; ValueError naming the flag or
+    the variable."""
+    try:
+        configure_logging(args.log_format, role, log_file=args.log_file)
+    except ValueError as exc:
+        if not str(exc).startswith("log_file: "):
+            raise
+        raise ValueError(f"--log-file: {str(exc).removeprefix('log_file: ')}") from exc
+
+
 def _service(args: argparse.Namespace) -> int:
     """`services.<role>.server.serve(config)`: prints its ready line and blocks until
     SIGINT/SIGTERM. A worker pins its CPUs and sets its threads first."""
     config = service_config(args)
-    configure_logging(args.log_format, args.command)
+    _configure_logging(args, args.command)
     if isinstance(config, (PrefillConfig, DecodeConfig)):
         from services.worker.cpus import apply_cpu_placement
 
@@ -268,7 +226,7 @@ def _reset_prefix_cache(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "run": _run,
+    "run": run_command.run,
     "serve": _serve,
     "prefill": _service,
     "decode": _service,

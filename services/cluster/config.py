@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from services.cluster.placement import PlacementPlan
+from services.config import checks
 from services.config.roles import (
     DEFAULT_HTTP_PORT,
     DecodeConfig,
@@ -17,8 +18,6 @@ from services.config.roles import (
     PrefixIndexConfig,
     RouterConfig,
     WorkerConfig,
-    _check,
-    _is_number,
 )
 from services.engine.config import EngineConfig
 from services.flags import flag
@@ -43,7 +42,8 @@ class ClusterConfig:
         default_factory=lambda: RouterConfig(http_port=DEFAULT_HTTP_PORT),
         metadata=flag(exclude=("model", "max_model_len", "prefill", "decode", "index", "cpus")),
     )
-    """The router; its host is every service's, its model and limits are the engine's."""
+    """The router (its host binds the router alone: workers bind worker_host), its model and
+    limits the engine's."""
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
     """The prefix index, for the router and every prefill worker."""
     prefill: PrefillConfig = field(
@@ -56,6 +56,10 @@ class ClusterConfig:
         metadata=flag(prefix="decode-", exclude=(*_POOL, "drain_timeout")),
     )
     """Settings of each decode worker (flags --decode-*)."""
+    worker_host: str = "127.0.0.1"
+    """Address every prefill and decode worker binds (gRPC, KV transfer, admin, /metrics) and is
+    reached at, whatever the router's --host: their ports have no API key, so they leave loopback
+    only when this says so."""
     kv_transfer_backend: str = field(default="auto", metadata=flag(choices=KV_TRANSFER_BACKENDS))
     """How prompt KV moves from prefill to decode workers (`WorkerConfig.kv_transfer_backend`):
     "auto" takes shared memory here (one host), or one of grpc, shared_memory, torch_dist."""
@@ -76,32 +80,34 @@ class ClusterConfig:
     deploy/prometheus/prometheus.yml reads (`services/cluster/prometheus_targets.py`)."""
 
     def __post_init__(self) -> None:
+        ok = isinstance(self.worker_host, str) and bool(self.worker_host)
+        checks.check(ok, "worker_host", "must be a host name or address", self.worker_host)
         for name in ("num_prefill", "num_decode"):
             value = getattr(self, name)
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-            _check(ok, name, "must be an integer >= 0", value)
-        _check(self.num_decode >= 1, "num_decode", "must be >= 1", self.num_decode)
-        _check(
+            checks.check(ok, name, "must be an integer >= 0", value)
+        checks.check(self.num_decode >= 1, "num_decode", "must be >= 1", self.num_decode)
+        checks.check(
             self.num_prefill >= 1 or self.router.disaggregation == "never",
             "num_prefill",
             "must be >= 1 unless --disaggregation never (every prompt prefilled on its decode "
             "worker)",
             self.num_prefill,
         )
-        _check(
-            _is_number(self.start_timeout) and self.start_timeout > 0,
+        checks.check(
+            checks.is_number(self.start_timeout) and self.start_timeout > 0,
             "start_timeout",
             "must be > 0 seconds",
             self.start_timeout,
         )
-        _check(
+        checks.check(
             self.placement in PLACEMENTS,
             "placement",
             f"expected one of {PLACEMENTS}",
             self.placement,
         )
         ok = self.kv_transfer_backend in KV_TRANSFER_BACKENDS
-        _check(
+        checks.check(
             ok,
             "kv_transfer_backend",
             f"expected one of {KV_TRANSFER_BACKENDS}",
@@ -120,7 +126,7 @@ class ClusterConfig:
             for name in ("host", "port", "metrics_port", "register_with", "kv_transfer_backend"):
                 if getattr(worker, name) != getattr(WorkerConfig, name):
                     raise ValueError(
-                        f"{pool}.{name}: set by the cluster (router.host, free ports, "
+                        f"{pool}.{name}: set by the cluster (worker_host, free ports, "
                         "kv_transfer_backend)"
                     )
         if self.prefill.index != PrefixIndexConfig():
@@ -146,13 +152,13 @@ class ClusterConfig:
 
     def _member(self, worker: W, index: int) -> W:
         """Pool member `index`: the cluster's engine under a fresh engine id, on free ports of
-        the router's host."""
+        `worker_host` (the router reaches it at the address its ready line gives)."""
         engine_id = f"{worker.role.value}-{index}-{uuid.uuid4().hex[:12]}"
         engine = dataclasses.replace(self.engine, engine_id=engine_id)
         return dataclasses.replace(
             worker,
             engine=engine,
-            host=self.router.host,
+            host=self.worker_host,
             port=0,
             metrics_port=0,
             kv_transfer_backend=self.kv_transfer_backend,

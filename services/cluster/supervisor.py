@@ -12,8 +12,9 @@ their addresses, prints one aggregated ready line and then watches:
 - the supervisor itself killed: every child gets SIGTERM from the kernel (PR_SET_PDEATHSIG).
 
 One thread: a selector loop reads every child's stdout and stderr (so no child ever blocks on a
-full pipe) and forwards their lines to our stderr, prefixed with the child's name. Our stdout
-carries only the ready line. No helper threads also means forking a child never races one.
+full pipe) and forwards their lines to our stderr, prefixed with the child's name, and into
+`--log-file` when given (`logs.write_line`: one writer, whole lines). Our stdout carries only the
+ready line. No helper threads also means forking a child never races one.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 
 from services.cluster.children import Child, ChildSpec, Pipes
 from services.cluster.launcher import ClusterSpec, child_spec
 from services.cluster.prometheus_targets import target_groups, write_targets
 from services.cluster.restarts import RestartPolicy, bound_ports, new_engine_identity
-from services.common.logs import ENV as LOG_ENV
+from services.common import logs
 
 READY_PREFIX = "ready "
 logger = logging.getLogger("pdserve.serve")
@@ -175,7 +175,8 @@ class Supervisor:
             for child in list(self.children):
                 if child.proc.poll() is None:
                     if child.ready_at is None and now - child.started_at > self.spec.start_timeout:
-                        _say(child.describe(f"not ready after {self.spec.start_timeout:g} s"))
+                        what = f"not ready after {self.spec.start_timeout:g} s"
+                        _say(child.describe(what), logging.WARNING)
                         child.proc.kill()  # counted as a failed start once it is reaped
                     continue
                 if child.name in self._due:
@@ -259,7 +260,8 @@ class Supervisor:
             if child.proc.poll() is None:
                 _say(
                     f"{child.name} (pid {child.proc.pid}) still running "
-                    f"{timeout:g} s after SIGTERM; killing it"
+                    f"{timeout:g} s after SIGTERM; killing it",
+                    logging.WARNING,
                 )
                 child.proc.kill()
 
@@ -278,16 +280,19 @@ def _parse_ready(line: str) -> dict | None:
 
 
 def _say(message: str, level: int = logging.INFO) -> None:
-    """The supervisor's own message: a `pdserve: ...` line, or a JSON record with
-    --log-format json (`services/common/logs.py`), as its children's lines are."""
-    if os.environ.get(LOG_ENV) == "json":
+    """The supervisor's own message, when `$PDSERVE_LOGGING_LEVEL` lets `level` through: a
+    `pdserve: ...` line (`pdserve: warning: ...` for a warning; errors say `error:` themselves),
+    or a JSON record with --log-format json (`services/common/logs.py`), as its children's lines
+    are."""
+    if not logs.lets_through(level):
+        return
+    if logs.current_format() == "json":
         logger.log(level, "%s", message)
+    elif level == logging.WARNING:
+        _log(f"pdserve: warning: {message}")
     else:
         _log(f"pdserve: {message}")
 
 
 def _log(line: str) -> None:
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except (OSError, ValueError):  # our stderr is gone; the children's output has nowhere to go
-        pass
+    logs.write_line(line)

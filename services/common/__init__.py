@@ -1,1 +1,1 @@
-"""What the services share: gRPC plumbing, error mapping, metrics, conversion, KV transfer."""
+"""Process plumbing: gRPC server and errors, channels, request ids, logs, metrics, member leases."""

@@ -26,6 +26,13 @@ from services.common.thread_pool import ElasticThreadPool
 # Servers also refuse a port another process already listens on (gRPC sets SO_REUSEPORT by
 # default, which would let two clusters silently share one port and split its clients).
 SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+# Calls a server runs or queues at once unless its config says (`max_concurrent_rpcs`); more fail
+# at once with RESOURCE_EXHAUSTED instead of queueing for a thread without end. Far above what a
+# cluster sends one server (the router's Generate streams are bounded by its admission, a decode
+# worker's Decode streams by max_num_seqs plus those waiting for KV, a prefill worker's Prefill
+# calls by the routers' admission, plus KV pulls, one OpenKVGroup per decode peer and health
+# checks), so only a flood meets it.
+DEFAULT_MAX_CONCURRENT_RPCS = 4096
 _Health = health_pb2.HealthCheckResponse  # its SERVING / NOT_SERVING statuses
 
 
@@ -69,12 +76,17 @@ def start_service(
     max_workers: int = 64,
     serving: bool = True,
     new_request_ids: bool = False,
+    max_concurrent_rpcs: int | None = None,
 ) -> RunningService:
     """Start a server with the given servicers:
     [(add_XServicer_to_server, servicer, full service name)].
 
-    `max_workers` bounds concurrent RPCs (a streaming call holds a thread for its whole life);
-    threads idle for a few seconds exit (`thread_pool.py`), so a burst leaves none behind.
+    `max_workers` bounds the handler threads (a blocking streaming call holds one for its whole
+    life; a non-blocking one, such as Health.Watch, none); threads idle for a few seconds exit
+    (`thread_pool.py`), so a burst leaves none behind. `max_concurrent_rpcs` bounds the calls
+    running or queued for a thread (None: `default_max_concurrent_rpcs(max_workers)`); grpc
+    refuses one more at once with RESOURCE_EXHAUSTED. A non-blocking call counts only while its
+    handler runs, not for its stream's life.
     `new_request_ids`: calls that bring no `x-request-id` get a fresh one (the router; see
     `ErrorInterceptor`). `serving`: health SERVING at once; False starts it NOT_SERVING for ""
     and every service (the server accepts calls, but routers send none) until
@@ -90,6 +102,11 @@ def start_service(
         ),
         interceptors=[ErrorInterceptor(new_request_ids)],
         options=SERVER_OPTIONS,
+        maximum_concurrent_rpcs=(
+            default_max_concurrent_rpcs(max_workers)
+            if max_concurrent_rpcs is None
+            else max_concurrent_rpcs
+        ),
     )
     for add, servicer, _ in register:
         add(servicer, server)
@@ -119,12 +136,21 @@ def start_service(
     )
 
 
+def default_max_concurrent_rpcs(max_workers: int) -> int:
+    """The bound on a server's concurrent calls when its config sets none: the default, or room
+    for twice its handler threads where that is more (a decode worker with a huge max_num_seqs
+    must not refuse its own batch's streams)."""
+    return max(DEFAULT_MAX_CONCURRENT_RPCS, 2 * max_workers)
+
+
 def _add_health(
     server: grpc.Server, service_names: tuple[str, ...], serving: bool
 ) -> health.HealthServicer:
     """The standard health service, SERVING or NOT_SERVING for "" and every service, and
     reflection of all of them."""
-    health_servicer = health.HealthServicer()
+    # Non-blocking: each Watch stream is a callback the servicer calls on a status change, not a
+    # server thread blocked until the client hangs up (the interceptor keeps it so).
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     status = _Health.SERVING if serving else _Health.NOT_SERVING
     for name in ("", *service_names):

@@ -1,4 +1,4 @@
-"""Prometheus metric definitions (ARCHITECTURE.md names: `pdserve_` prefix, base units, `role`
+"""Prometheus metric definitions (docs/architecture.md names: `pdserve_` prefix, base units, `role`
 label).
 
 Every process has one registry; `start_metrics_server` exposes it on /metrics.
@@ -10,7 +10,7 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 # Latency buckets in seconds, 1 ms to 2 min, with the common SLOs on a boundary (TTFT 100, 200,
 # 500 ms, 1, 2 s; TPOT 20, 50, 100 ms) so SLO attainment reads exactly off the buckets
-# (ARCHITECTURE.md; vLLM's dashboards compute it the same way).
+# (docs/architecture.md; vLLM's dashboards compute it the same way).
 LATENCY_BUCKETS = (
     0.001,
     0.0025,

@@ -17,6 +17,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
+from services.config import checks
 from services.config.http import HttpConfig
 from services.config.migration import MigrationConfig
 from services.engine.config import DEFAULT_MODEL, EngineConfig, EngineRole
@@ -31,27 +32,6 @@ DEFAULT_HTTP_PORT = 8000
 API_KEY_ENV = "PDSERVE_API_KEY"  # the router's api_key when its config sets none
 
 
-def _check(ok: bool, name: str, message: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"{name}: {message}, got {value!r}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_listen(host: object, port: object, metrics_port: object) -> None:
-    """Where a service listens: a host, a gRPC port and a /metrics port."""
-    _check(isinstance(host, str) and bool(host), "host", "must be a host name or address", host)
-    _check_port("port", port)
-    _check_port("metrics_port", metrics_port)
-
-
-def _check_port(name: str, value: object) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 65536
-    _check(ok, name, "must be a port number in [0, 65536) (0 picks a free one)", value)
-
-
 @dataclass(frozen=True, kw_only=True)
 class PrefixIndexConfig:
     """Where the router learns which prefill worker caches which prefix."""
@@ -62,7 +42,7 @@ class PrefixIndexConfig:
     """Seconds (> 0) a prefill worker stays in the Redis index without a heartbeat."""
 
     def __post_init__(self) -> None:
-        _check(
+        checks.check(
             self.redis_url is None
             or isinstance(self.redis_url, str)
             and self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -70,8 +50,8 @@ class PrefixIndexConfig:
             "must be a redis:// URL or None",
             self.redis_url,
         )
-        _check(
-            _is_number(self.index_ttl) and self.index_ttl > 0,
+        checks.check(
+            checks.is_number(self.index_ttl) and self.index_ttl > 0,
             "index_ttl",
             "must be > 0",
             self.index_ttl,
@@ -90,6 +70,9 @@ class RouterConfig:
     """gRPC port of the public Generate API (0 picks a free one)."""
     metrics_port: int = 0
     """Prometheus /metrics port (0 picks a free one)."""
+    max_concurrent_rpcs: int | None = None
+    """gRPC calls this service runs or queues for a thread at once; one more fails at once with
+    RESOURCE_EXHAUSTED (default: 4096, or twice the service's handler threads if that is more)."""
     http_port: int | None = field(default=None, metadata=flag(no_flag="no-http"))
     """OpenAI-compatible HTTP port (0 picks a free one; None: no HTTP API)."""
     prefill: tuple[str, ...] = ()
@@ -130,29 +113,30 @@ class RouterConfig:
     """CPU affinity, e.g. 0 or 0-1 (default: not pinned; `pdserve serve` sets its plan's)."""
 
     def __post_init__(self) -> None:
-        _check(
+        checks.check(
             bool(self.model) and isinstance(self.model, str),
             "model",
             "must not be empty",
             self.model,
         )
-        _check_listen(self.host, self.port, self.metrics_port)
+        checks.check_listen(self.host, self.port, self.metrics_port)
+        checks.check_max_concurrent_rpcs(self.max_concurrent_rpcs)
         if self.http_port is not None:
-            _check_port("http_port", self.http_port)
+            checks.check_port("http_port", self.http_port)
         for name in ("prefill", "decode"):
-            _check(
+            checks.check(
                 isinstance(getattr(self, name), tuple),
                 name,
                 "must be a tuple of HOST:PORT",
                 getattr(self, name),
             )
-        _check(
-            _is_number(self.request_timeout) and self.request_timeout > 0,
+        checks.check(
+            checks.is_number(self.request_timeout) and self.request_timeout > 0,
             "request_timeout",
             "must be > 0 seconds",
             self.request_timeout,
         )
-        _check(
+        checks.check(
             self.routing in ROUTING_POLICIES,
             "routing",
             f"expected one of {ROUTING_POLICIES}",
@@ -160,8 +144,8 @@ class RouterConfig:
         )
         if self.max_model_len is not None:
             ok = isinstance(self.max_model_len, int) and self.max_model_len >= 1
-            _check(ok, "max_model_len", "must be an integer >= 1", self.max_model_len)
-        _check(
+            checks.check(ok, "max_model_len", "must be an integer >= 1", self.max_model_len)
+        checks.check(
             self.disaggregation in DISAGGREGATION_MODES,
             "disaggregation",
             f"expected one of {DISAGGREGATION_MODES}",
@@ -174,18 +158,18 @@ class RouterConfig:
         ):
             value = getattr(self, name)
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-            _check(ok, name, f"must be an integer >= {low}", value)
-        _check(
+            checks.check(ok, name, f"must be an integer >= {low}", value)
+        checks.check(
             self.api_key is None or isinstance(self.api_key, str) and bool(self.api_key),
             "api_key",
             "must be a non-empty string or None",
             "<hidden>",
         )
-        _check(isinstance(self.http, HttpConfig), "http", "must be an HttpConfig", self.http)
+        checks.check(isinstance(self.http, HttpConfig), "http", "must be an HttpConfig", self.http)
         ok = isinstance(self.migration, MigrationConfig)
-        _check(ok, "migration", "must be a MigrationConfig", self.migration)
-        _check(
-            _is_number(self.registration_ttl) and self.registration_ttl > 0,
+        checks.check(ok, "migration", "must be a MigrationConfig", self.migration)
+        checks.check(
+            checks.is_number(self.registration_ttl) and self.registration_ttl > 0,
             "registration_ttl",
             "must be > 0 seconds",
             self.registration_ttl,
@@ -214,6 +198,9 @@ class WorkerConfig:
     """gRPC port (0 picks a free one)."""
     metrics_port: int = 0
     """Prometheus /metrics port (0 picks a free one)."""
+    max_concurrent_rpcs: int | None = None
+    """gRPC calls this service runs or queues for a thread at once; one more fails at once with
+    RESOURCE_EXHAUSTED (default: 4096, or twice the service's handler threads if that is more)."""
     threads: int | None = None
     """torch intra-op threads (default: one per CPU of `cpus`, else torch's own)."""
     cpus: str | None = None
@@ -231,28 +218,29 @@ class WorkerConfig:
     role: typing.ClassVar[EngineRole]
 
     def __post_init__(self) -> None:
-        _check(
+        checks.check(
             isinstance(self.engine, EngineConfig), "engine", "must be an EngineConfig", self.engine
         )
-        _check_listen(self.host, self.port, self.metrics_port)
+        checks.check_listen(self.host, self.port, self.metrics_port)
+        checks.check_max_concurrent_rpcs(self.max_concurrent_rpcs)
         if self.threads is not None:
             ok = isinstance(self.threads, int) and not isinstance(self.threads, bool)
-            _check(ok and self.threads >= 1, "threads", "must be >= 1", self.threads)
+            checks.check(ok and self.threads >= 1, "threads", "must be >= 1", self.threads)
         if self.cpus is not None:
             parse_cpu_list(self.cpus, flag="cpus")
-        _check(
-            _is_number(self.drain_timeout) and self.drain_timeout >= 0,
+        checks.check(
+            checks.is_number(self.drain_timeout) and self.drain_timeout >= 0,
             "drain_timeout",
             "must be >= 0 seconds",
             self.drain_timeout,
         )
-        _check(
+        checks.check(
             isinstance(self.register_with, tuple),
             "register_with",
             "must be a tuple of HOST:PORT",
             self.register_with,
         )
-        _check(
+        checks.check(
             self.kv_transfer_backend in KV_TRANSFER_BACKENDS,
             "kv_transfer_backend",
             f"must be one of {', '.join(KV_TRANSFER_BACKENDS)}",

@@ -1,0 +1,1 @@
+"""The decode worker process: a gRPC servicer around an engine in DECODE role."""

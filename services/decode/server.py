@@ -23,7 +23,7 @@ import threading
 
 from services.common import metrics
 from services.common.convert import handle_from_proto, logprobs_to_proto, sampling_from_proto
-from services.common.errors import PeerUnavailableError, ServiceUnavailableError
+from services.common.errors import PeerUnavailableError, ServiceUnavailableError, ShuttingDownError
 from services.common.grpc_server import start_service
 from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.config.roles import DecodeConfig
@@ -32,7 +32,7 @@ from services.engine.errors import InvalidRequestError, KVHandshakeError, KVTran
 from services.engine.outputs import KVReserved, RequestOutput
 from services.kv_transfer.control.receiver import GrpcKVReceiver
 from services.kv_transfer.cuda_ipc.export import cuda_topology
-from services.worker.engine_loop import EngineLoop, ShuttingDownError
+from services.worker.engine_loop import EngineLoop
 from services.worker.runtime import (
     AdminServicer,
     RunningWorker,
@@ -229,6 +229,7 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
         config.metrics_port,
         max_workers=engine_config.max_num_seqs + 64,  # each running request holds one stream
         serving=False,  # until the engine has warmed up
+        max_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     decode.config = admin.config = effective_config(config, engine.config, service)
     loop.start()

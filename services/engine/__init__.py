@@ -1,10 +1,9 @@
-"""pdserve's engine: paged KV cache, scheduler, model runner, sampler, detokenizer, KV transfer.
+"""The transport-free engine: paged KV cache, scheduler, model runner, sampler, detokenizer."""
 
-Transport-free: nothing in this package imports grpc, ray, prometheus or an HTTP stack. The heavy
-parts (torch, transformers) load on first use of `Engine` or `LLM`, so the light modules the
-router shares (errors, config, sampling params, block hashing, KV events, admission checks, the
-tokenizer and detokenizer) import without them.
-"""
+# Nothing in this package imports grpc, ray, prometheus or an HTTP stack. The heavy parts (torch,
+# transformers) load on first use of `Engine` or `LLM`, so the light modules the router shares
+# (errors, config, sampling params, block hashing, KV events, request validation, the tokenizer
+# and detokenizer) import without them.
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""KV transfer: how a PREFILL engine's blocks reach a DECODE engine.
+"""Moving a prompt's KV between engines: contract, handles, handshake, leases, data paths."""
 
-Modules: `handle` (KVHandle), `lease` (the source's pins), `handshake` (layout checks), `base`
-(the interfaces), `in_memory` (both ends in one process). Import them by module; this package
-file imports nothing, so `kv_transfer.handle` loads without torch.
-"""
+# Import the modules by name: this package file imports nothing, so `kv_transfer.handle` loads
+# without torch.

@@ -1,0 +1,1 @@
+"""The prefill worker process: a gRPC servicer around an engine in PREFILL role."""

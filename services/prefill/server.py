@@ -129,6 +129,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
         config.port,
         config.metrics_port,
         serving=False,  # until the engine has warmed up
+        max_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     prefill.kv_address = service.grpc_address
     prefill.config = admin.config = effective_config(config, engine.config, service)

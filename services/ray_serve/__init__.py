@@ -1,5 +1,6 @@
-"""pdserve on Ray Serve: `import_path: services.ray_serve:build_app` (needs `pdserve[ray]`;
-nothing else in pdserve imports ray)."""
+"""pdserve as a Ray Serve application: `services.ray_serve:build_app` (needs `pdserve[ray]`)."""
+
+# Nothing else in pdserve imports ray.
 
 from services.ray_serve.app import build_app
 

@@ -149,6 +149,7 @@ def start_router(config: RouterConfig, dynamic: bool = False) -> RunningRouter:
             config.metrics_port,
             max_workers=ROUTER_MAX_STREAMS,
             new_request_ids=True,
+            max_concurrent_rpcs=config.max_concurrent_rpcs,
         )
     except OSError:
         flow.pool.close()

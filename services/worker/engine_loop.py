@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from services.common import metrics
-from services.common.errors import ServiceUnavailableError
+from services.common.errors import ShuttingDownError
 from services.engine import Engine, SamplingParams
 from services.engine.outputs import KVReserved, RequestOutput
 from services.engine.scheduler import RECOMPUTE_CAUSES
@@ -27,10 +27,6 @@ from services.kv_transfer.handle import KVHandle
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class ShuttingDownError(ServiceUnavailableError):
-    """The engine thread has stopped (-> UNAVAILABLE)."""
 
 
 POLL_SECONDS = 0.05  # how long an idle loop waits for a call before running its hooks again

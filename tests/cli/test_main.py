@@ -85,6 +85,18 @@ def test_serve_contract_flags_and_defaults():
         2,
     )
     assert (c.num_prefill, c.num_decode, c.index.redis_url) == (3, 4, "redis://h:1/0")
+    # --host is the router's alone: workers stay on loopback unless --worker-host says otherwise
+    assert (c.prefill_config(0).host, c.decode_config(0).host) == ("127.0.0.1", "127.0.0.1")
+    c2 = config("serve", "--worker-host", "0.0.0.0")
+    assert (c2.router.host, c2.prefill_config(0).host, c2.decode_config(0).host) == (
+        "127.0.0.1",
+        "0.0.0.0",
+        "0.0.0.0",
+    )
+    rpcs = ("--max-concurrent-rpcs", "10", "--prefill-max-concurrent-rpcs", "20")
+    c2 = config("serve", *rpcs, "--decode-max-concurrent-rpcs", "30")
+    assert (c2.router.max_concurrent_rpcs, c2.prefill.max_concurrent_rpcs) == (10, 20)
+    assert c2.decode.max_concurrent_rpcs == 30 and c.router.max_concurrent_rpcs is None
     assert (c.engine.block_size, c.engine.dtype, c.engine.max_model_len) == (32, "bfloat16", 512)
     assert (c.prefill.threads, c.decode.threads, c.prefill.cpus, c.decode.cpus) == (
         2,

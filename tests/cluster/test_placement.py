@@ -8,8 +8,9 @@ import os
 import pytest
 
 from services.cli import main as cli
-from services.cluster import launcher, placement
+from services.cluster import launcher
 from services.cluster.placement import PlacementPlan, plan_placement
+from services.worker import cpus as worker_cpus
 from services.worker.cpus import format_cpus, parse_cpu_list
 
 
@@ -35,16 +36,16 @@ def test_apply_cpu_placement():
 
     allowed, num_threads = os.sched_getaffinity(0), torch.get_num_threads()
     try:
-        assert placement.apply_cpu_placement(None, None) is None
+        assert worker_cpus.apply_cpu_placement(None, None) is None
         cpus = ",".join(str(c) for c in sorted(allowed))
-        assert placement.apply_cpu_placement(None, cpus) == sorted(allowed)
+        assert worker_cpus.apply_cpu_placement(None, cpus) == sorted(allowed)
         assert os.sched_getaffinity(0) == allowed and torch.get_num_threads() == len(allowed)
-        placement.apply_cpu_placement(1, None)
+        worker_cpus.apply_cpu_placement(1, None)
         assert torch.get_num_threads() == 1
         with pytest.raises(ValueError, match=r"^--threads: "):
-            placement.apply_cpu_placement(0, None)
+            worker_cpus.apply_cpu_placement(0, None)
         with pytest.raises(ValueError, match=r"^--cpus: "):
-            placement.apply_cpu_placement(None, "0-x")
+            worker_cpus.apply_cpu_placement(None, "0-x")
     finally:
         os.sched_setaffinity(0, allowed)
         torch.set_num_threads(num_threads)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import pytest
 
 from services.cluster import launcher, supervisor
 from services.cluster.restarts import RestartPolicy, bound_ports
+from services.common import logs
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -34,6 +37,11 @@ marker = os.path.join(marker_dir, role + ".started") if marker_dir else None
 first = marker is None or not os.path.exists(marker)
 if marker is not None:
     open(marker, "a").close()
+if mode.startswith("chatty"):  # long stderr lines from several children at once
+    for i in range(200):
+        print(f"{role} line {i} " + "x" * 5000, file=sys.stderr, flush=True)
+    if mode == "chatty-die":
+        sys.exit(3)
 if mode == "die-after-first" and not first:
     sys.exit(5)
 if mode == "die":
@@ -202,6 +210,39 @@ def test_serve_fails_when_a_worker_dies_at_start(fake_service, capsys):
     assert "pdserve: error: decode-0 (pid " in captured.err
     assert "exited with code 3 before it was ready; last stderr lines:" in captured.err
     assert "  decode: cannot load the model" in captured.err
+
+
+def test_serve_log_file_gets_every_childs_lines_whole(fake_service, tmp_path, capsys, monkeypatch):
+    """`pdserve serve --log-file`: the supervisor, the one writer, appends what it relays (and
+    its own messages) to the file as whole lines, the same lines as on its stderr."""
+    monkeypatch.delenv("PDSERVE_LOGGING_LEVEL", raising=False)
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    path = tmp_path / "serve.log"
+    try:
+        logs.configure("text", "serve", log_file=str(path))
+        spec = _spec(
+            fake_service, {"prefill-0": "chatty", "decode-0": "chatty-die"}, stop_timeout=5
+        )
+        assert supervisor.Supervisor(spec).run() == 1
+    finally:
+        for handler in list(root.handlers):
+            if handler not in handlers:
+                handler.close()
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+    err = capsys.readouterr().err
+    assert path.read_text() == err
+    # (The error message's stderr tail quotes a few, indented.)
+    chatty = [line for line in err.splitlines() if " line " in line and line[:2] != "  "]
+    whole = re.compile(r"\[(prefill-0|decode-0)\] (prefill|decode) line \d+ x+")
+    assert all(whole.fullmatch(line) for line in chatty)  # nothing spliced into a line
+    assert [line for line in chatty if line.startswith("[decode-0]")] == [
+        f"[decode-0] decode line {i} " + "x" * 5000 for i in range(200)
+    ]
+    assert "pdserve: error: decode-0 (pid " in err and "exited with code 3" in err
 
 
 def test_serve_fails_when_a_worker_is_never_ready(fake_service, capsys):

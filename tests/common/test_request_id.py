@@ -1,5 +1,6 @@
 """One request id: accepted from x-request-id metadata, generated where the router gets none,
-bound while a handler runs (on every thread that resumes its stream), and in every log record."""
+bound while a handler runs (on every thread that resumes its stream), and in every log record;
+the log set-up around it: the level from $PDSERVE_LOGGING_LEVEL and `--log-file`."""
 
 from __future__ import annotations
 
@@ -66,6 +67,97 @@ def test_json_logs_carry_the_bound_id_and_the_role(capsys):
         for handler in handlers:
             root.addHandler(handler)
         root.setLevel(level)
+
+
+@pytest.fixture
+def restore_logging():
+    """What `logs.configure` changes on the root logger, put back afterwards."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            handler.close()
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+def test_the_level_comes_from_pdserve_logging_level(capsys, monkeypatch, restore_logging):
+    log = logging.getLogger("pdserve.test")
+    monkeypatch.delenv("PDSERVE_LOGGING_LEVEL", raising=False)
+    logs.configure("text", "router")  # default: INFO
+    log.debug("hidden debug")
+    log.info("shown info")
+    monkeypatch.setenv("PDSERVE_LOGGING_LEVEL", "warning")  # any case, as vLLM's
+    logs.configure("text", "router")
+    log.info("hidden info")
+    log.warning("shown warning")
+    monkeypatch.setenv("PDSERVE_LOGGING_LEVEL", "DEBUG")
+    logs.configure("json", "decode")
+    log.debug("shown debug")
+    err = capsys.readouterr().err
+    assert "shown info" in err and "shown warning" in err and "shown debug" in err
+    assert "hidden" not in err
+    assert json.loads(err.splitlines()[-1])["level"] == "DEBUG"
+    monkeypatch.setenv("PDSERVE_LOGGING_LEVEL", "LOUD")
+    with pytest.raises(ValueError, match="^PDSERVE_LOGGING_LEVEL: expected one of DEBUG, .*'LOUD'"):
+        logs.configure("text", "router")
+
+
+def test_a_bad_level_stops_a_service_command_in_one_line(capsys, monkeypatch, restore_logging):
+    from services.cli import main as cli
+
+    monkeypatch.setenv("PDSERVE_LOGGING_LEVEL", "verbose")
+    assert cli.main(["router", "--port", "0"]) == 2  # refused before anything starts
+    assert capsys.readouterr().err == (
+        "pdserve: error: PDSERVE_LOGGING_LEVEL: expected one of DEBUG, INFO, WARNING, ERROR, "
+        "CRITICAL, got 'verbose'\n"
+    )
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_log_file_gets_the_same_lines_as_stderr(
+    tmp_path, capsys, log_format, monkeypatch, restore_logging
+):
+    monkeypatch.delenv("PDSERVE_LOGGING_LEVEL", raising=False)
+    path = tmp_path / "pdserve.log"
+    path.write_text("an earlier run\n")
+    logs.configure(log_format, "decode", log_file=str(path))
+    assert logs.current_format() == log_format
+    with request_id.bound("rid-file"):
+        logging.getLogger("pdserve.test").info("pulled %d blocks", 3)
+    logging.getLogger("pdserve.test").debug("below the level")
+    logs.write_line("[prefill-0] a relayed line")  # what `pdserve serve` relays
+    err = capsys.readouterr().err.splitlines()
+    lines = path.read_text().splitlines()
+    assert lines == ["an earlier run", *err]  # appended, whole lines, in order
+    assert len(err) == 2 and err[1] == "[prefill-0] a relayed line"
+    if log_format == "json":
+        record = json.loads(err[0])
+        assert (record["message"], record["request_id"]) == ("pulled 3 blocks", "rid-file")
+    else:
+        assert "INFO [decode] pdserve.test request_id=rid-file: pulled 3 blocks" in err[0]
+    logs.configure("text", "decode")  # a second call replaces (and closes) the file handler
+    logging.getLogger("pdserve.test").info("stderr only")
+    assert "stderr only" in capsys.readouterr().err
+    assert "stderr only" not in path.read_text()
+
+
+def test_a_log_file_that_cannot_be_opened_is_one_line_naming_the_flag(
+    tmp_path, capsys, restore_logging
+):
+    from services.cli import main as cli
+
+    with pytest.raises(ValueError, match="^log_file: cannot append to "):
+        logs.configure("text", "router", log_file=str(tmp_path))  # a folder
+    missing = tmp_path / "missing" / "x.log"
+    assert cli.main(["router", "--port", "0", "--log-file", str(missing)]) == 2
+    assert capsys.readouterr().err == (
+        f"pdserve: error: --log-file: cannot append to {str(missing)!r}: "
+        "No such file or directory\n"
+    )
 
 
 @pytest.mark.parametrize("new_ids", [False, True])

@@ -21,7 +21,7 @@ import yaml
 from tests.e2e.cluster import free_port
 
 BIN = Path(sys.executable).parent
-# ARCHITECTURE.md: Ray's own servers on 127.0.0.1, no token auth, no usage report.
+# docs/ray.md: Ray's own servers on 127.0.0.1, no token auth, no usage report.
 ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",

@@ -97,6 +97,7 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         max_local_prefill_tokens=32,
         api_key=KEY,
         registration_ttl=7.0,
+        max_concurrent_rpcs=500,
         migration=MigrationConfig(max_migrations=2, stream_stall_timeout=6.0, migration_wait=9.0),
         http=HttpConfig(
             max_body_bytes=100_000, read_timeout=20.0, keep_alive_timeout=3.0, shutdown_timeout=4.0
@@ -106,14 +107,22 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         engine=engine,
         router=router,
         index=PrefixIndexConfig(redis_url=redis_url, index_ttl=5.0),
-        prefill=PrefillConfig(threads=1, cpus="0", drain_timeout=5.0, debug_kv_stall_seconds=0.01),
+        prefill=PrefillConfig(
+            threads=1,
+            cpus="0",
+            drain_timeout=5.0,
+            debug_kv_stall_seconds=0.01,
+            max_concurrent_rpcs=300,
+        ),
         decode=DecodeConfig(
             threads=1,
             cpus="1",
             drain_timeout=6.0,
             debug_zero_kv_block=0,
             debug_recompute_prompt=True,
+            max_concurrent_rpcs=200,
         ),
+        worker_host="localhost",
         kv_transfer_backend="grpc",
         num_prefill=2,
         num_decode=2,

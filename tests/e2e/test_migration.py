@@ -27,7 +27,7 @@ def tokenizer(default_model):
     return AutoTokenizer.from_pretrained(default_model)
 
 
-NUM_TOKENS = 300  # the SIGKILL streams
+NUM_TOKENS = 160  # the SIGKILL streams
 SHORT = 160  # the stop-string and SIGSTOP streams
 STALL_TIMEOUT_S = 2.0
 KV_BYTES = str(96 << 20)

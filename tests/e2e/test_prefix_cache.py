@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -146,10 +147,17 @@ def test_usage_cached_tokens_rule_for_every_prompt_length_1_to_80(
     """Through the public API: each length sent twice; the second send reports
     (n - 1) // 16 * 16 cached tokens (the first none), and both first tokens meet the
     equivalence rule against transformers."""
-    for n in range(1, 81):
+
+    def sends(n: int) -> tuple[int, list[int], list[int], list[int], int, int]:
         prompt = real_text_ids[9000 + 100 * n : 9000 + 100 * n + n]  # disjoint texts per length
         cold, cold_cached = _generate(cluster.stub, prompt, 1)
         warm, warm_cached = _generate(cluster.stub, prompt, 1)
+        return n, prompt, cold, warm, cold_cached, warm_cached
+
+    # Four lengths at a time (their texts share no block, so no send changes another's count).
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(sends, range(1, 81)))
+    for n, prompt, cold, warm, cold_cached, warm_cached in results:
         assert (cold_cached, warm_cached) == (0, (n - 1) // BLOCK * BLOCK), n
         reference = hf_greedy(default_model, prompt, 1)
         assert_equivalent(cold, reference, f"cold n={n}")

@@ -181,7 +181,7 @@ def test_sigkill_stops_routing_within_5s_and_sigterm_drains(redis_server, real_t
         # SIGTERM the survivor during a long prefill, then the decode worker during that
         # request's decode: both finish what they had (the answer is whole) and exit 0.
         with ThreadPoolExecutor(1) as pool:
-            stream = pool.submit(_generate, cluster.stub, real_text_ids[100:2600], 60)
+            stream = pool.submit(_generate, cluster.stub, real_text_ids[100:1600], 60)
             _wait(lambda: worker_info(survivor.ready["grpc"], "prefill").num_running == 1, 60)
             survivor.process.send_signal(signal.SIGTERM)
             _wait(lambda: worker_info(cluster.decode.ready["grpc"], "decode").num_running == 1, 60)

@@ -1,4 +1,4 @@
-"""Greedy output of `Engine` equals transformers on the same weights (ARCHITECTURE.md rule)."""
+"""Greedy output of `Engine` equals transformers on the same weights (docs/architecture.md rule)."""
 
 from __future__ import annotations
 

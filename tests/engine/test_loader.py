@@ -1,7 +1,7 @@
 """services.engine.loader: `--model` resolution and the GGUF -> safetensors conversion.
 
 The conversion check compares the converted folder against transformers loading the GGUF
-directly (ARCHITECTURE.md, "Equivalence rule": the one separate test of the conversion).
+directly (docs/architecture.md, "the equivalence rule": the one separate test of the conversion).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Greedy output with logit bias and penalties equals a transformers greedy loop with reference
-logits processors (ARCHITECTURE.md equivalence rule), in one engine and across the P/D split."""
+logits processors (docs/architecture.md equivalence rule), in one engine and across the P/D
+split."""
 
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ def test_a_taken_port_is_refused():
 
 
 def test_calls_after_stop_fail_fast(tiny_llama):
-    from services.worker.engine_loop import ShuttingDownError
+    from services.common.errors import ShuttingDownError
 
     loop = EngineLoop(make_engine(tiny_llama, num_blocks=16), "both")
     loop.start()

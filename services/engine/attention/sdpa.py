@@ -1,4 +1,4 @@
-"""torch SDPA over a per-step gather of each request's own positions, as ARCHITECTURE.md
+"""torch SDPA over a per-step gather of each request's own positions, as docs/architecture.md
 prescribes for the CPU: no contiguous per-request cache, only the positions the step reads."""
 
 from __future__ import annotations

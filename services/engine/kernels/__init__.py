@@ -1,10 +1,9 @@
-"""C++ kernels pdserve builds itself: CPU paged decode attention.
+"""C++ kernels pdserve builds on first use: the CPU paged decode-attention kernel."""
 
-Built on first use with torch's extension builder (a C++ compiler and ninja; about 30 s) into
-`$PDSERVE_CACHE_DIR/kernels/<hash>`, keyed by the source, torch's version and this CPU, so later
-processes load it in well under a second. Where it cannot be built, `load_paged_attention()`
-returns None and attention falls back to the pure-torch path.
-"""
+# Built with torch's extension builder (a C++ compiler and ninja; about 30 s) into
+# `$PDSERVE_CACHE_DIR/kernels/<hash>`, keyed by the source, torch's version and this CPU, so later
+# processes load it in well under a second. Where it cannot be built, `load_paged_attention()`
+# returns None and attention falls back to the pure-torch path.
 
 from __future__ import annotations
 

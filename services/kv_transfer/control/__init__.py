@@ -1,1 +1,1 @@
-"""The gRPC control plane all KV data paths share: handshake, leases, release, path choice."""
+"""The gRPC control plane all KV data paths share: handshake, leases, release, path set-up."""

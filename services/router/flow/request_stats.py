@@ -1,6 +1,6 @@
 """One request's timeline as the router sees it, and the router's Prometheus metrics for it.
 
-Definitions (ARCHITECTURE.md, as vLLM's and SGLang's serving benchmarks use them), all in
+Definitions (docs/architecture.md, as vLLM's and SGLang's serving benchmarks use them), all in
 seconds on the monotonic clock, measured from when the router received the request:
 TTFT = first token sent; E2E = last token sent; TPOT = (E2E - TTFT) / (tokens - 1) when more
 than one token was generated; ITL = each gap between consecutive messages carrying tokens.

@@ -36,7 +36,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from services.common import request_id
-from services.common.errors import UnauthenticatedError
+from services.common.errors import ShuttingDownError, UnauthenticatedError
 from services.common.pb import generate_pb2
 from services.config.roles import RouterConfig
 from services.engine.errors import InvalidRequestError
@@ -50,7 +50,6 @@ from services.router.openai import protocol as oai
 from services.router.openai.errors import (
     BodyTooLargeError,
     ModelNotFoundError,
-    ShuttingDownError,
     error_response,
     http_error_code,
 )

@@ -13,7 +13,7 @@ import re
 import grpc
 from starlette.responses import JSONResponse
 
-from services.common.errors import ServiceUnavailableError, status_for
+from services.common.errors import status_for
 from services.engine.errors import InvalidRequestError
 from services.router.openai import bodies
 
@@ -42,13 +42,6 @@ class BodyTooLargeError(InvalidRequestError):
 
     def __init__(self, message: str) -> None:
         super().__init__("body", message)
-
-
-class ShuttingDownError(ServiceUnavailableError):
-    """The router is shutting down and its grace for running requests is over (-> 503)."""
-
-    def __init__(self) -> None:
-        super().__init__("the router is shutting down; retry on another one")
 
 
 def http_error_code(exc: BaseException) -> grpc.StatusCode:

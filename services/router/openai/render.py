@@ -12,11 +12,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from services.common.convert import timings_to_dict
+from services.common.errors import ShuttingDownError
 from services.common.pb import generate_pb2
 from services.engine.tokenizer import Tokenizer
 from services.router.openai import bodies
 from services.router.openai import protocol as oai
-from services.router.openai.errors import ShuttingDownError, http_error
+from services.router.openai.errors import http_error
 from services.router.openai.protocol import OpenAIRequest
 
 

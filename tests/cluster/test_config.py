@@ -1,0 +1,44 @@
+"""ClusterConfig's children: workers bind `worker_host` (loopback unless told), never the
+router's --host; per-service settings reach each child."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cluster.config import ClusterConfig
+from services.config.roles import DecodeConfig, PrefillConfig, RouterConfig
+
+
+def _hosts(cluster: ClusterConfig) -> tuple[str, str, str]:
+    router = cluster.router_config(["127.0.0.1:1"], ["127.0.0.1:2"])
+    return router.host, cluster.prefill_config(0).host, cluster.decode_config(0).host
+
+
+def test_workers_bind_loopback_whatever_the_router_binds():
+    assert _hosts(ClusterConfig()) == ("127.0.0.1",) * 3
+    public = ClusterConfig(router=RouterConfig(host="0.0.0.0"))
+    assert _hosts(public) == ("0.0.0.0", "127.0.0.1", "127.0.0.1")
+
+
+def test_workers_leave_loopback_only_when_told():
+    told = ClusterConfig(router=RouterConfig(host="0.0.0.0"), worker_host="10.1.2.3")
+    assert _hosts(told) == ("0.0.0.0", "10.1.2.3", "10.1.2.3")
+    with pytest.raises(ValueError, match="^worker_host: must be a host name or address"):
+        ClusterConfig(worker_host="")
+    with pytest.raises(ValueError, match=r"^prefill\.host: set by the cluster \(worker_host"):
+        ClusterConfig(prefill=PrefillConfig(host="0.0.0.0"))
+
+
+def test_each_service_gets_its_own_bound_on_concurrent_calls():
+    cluster = ClusterConfig(
+        router=RouterConfig(max_concurrent_rpcs=10),
+        prefill=PrefillConfig(max_concurrent_rpcs=20),
+        decode=DecodeConfig(max_concurrent_rpcs=30),
+    )
+    router = cluster.router_config([], [])
+    assert (router.max_concurrent_rpcs, cluster.prefill_config(0).max_concurrent_rpcs) == (10, 20)
+    assert cluster.decode_config(0).max_concurrent_rpcs == 30
+    assert ClusterConfig().decode_config(0).max_concurrent_rpcs is None  # the server's default
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="^max_concurrent_rpcs: must be an integer >= 1"):
+            DecodeConfig(max_concurrent_rpcs=bad)
