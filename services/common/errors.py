@@ -1,4 +1,4 @@
-"""The one place that maps exceptions to gRPC status codes (docs/architecture.md, style rule 9).
+"""The one place that maps exceptions to gRPC status codes (docs/architecture.md, "Errors").
 
 `ErrorInterceptor` wraps every handler of a server: typed engine errors and ValueError become
 INVALID_ARGUMENT / RESOURCE_EXHAUSTED / NOT_FOUND, a failed downstream call keeps its code

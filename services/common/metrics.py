@@ -78,7 +78,7 @@ KV_TRANSFER_TIME = Histogram(
 KV_TRANSFER_BYTES = Counter(
     "pdserve_kv_transfer_bytes", "KV bytes moved between workers, by backend.", ["role", "backend"]
 )
-KV_BACKENDS = ("grpc", "shared_memory", "cuda_ipc", "torch_dist")  # the data paths (kv_backends/)
+KV_BACKENDS = ("grpc", "shared_memory", "cuda_ipc", "torch_dist")  # kv_transfer.registry.DATA_PATHS
 KV_TRANSFER_FAILURES = Counter(
     "pdserve_kv_transfer_failures",
     "Transfers that failed, by reason: unavailable, deadline_exceeded, not_found, handshake "

@@ -1,5 +1,5 @@
 """POSIX shared-memory segments holding a PREFILL engine's whole KV cache (the OS part of the
-shared-memory KV transfer; `shared_memory.py` is the sender that uses it).
+shared-memory KV transfer; `source.py` is the sender that uses it).
 
 A segment is one file in /dev/shm (a tmpfs), created O_EXCL with mode 0600, so no other user of
 the machine can map it: a 4,096-byte header page (magic, owner pid, a random 32-byte token, data
