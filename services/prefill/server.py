@@ -37,6 +37,8 @@ from services.worker.runtime import (
 
 logger = logging.getLogger(__name__)
 
+PREFILL_MAX_CALLS = 1024  # handler threads, as the router (whose admission bounds the calls)
+
 
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     def __init__(self, loop: EngineLoop, config: PrefillConfig) -> None:
@@ -129,6 +131,10 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
         config.port,
         config.metrics_port,
         serving=False,  # until the engine has warmed up
+        # Each Prefill call holds a thread until its first token: a queue of them must leave
+        # threads for health checks and KV control calls (with 64, 200 concurrent prompts made
+        # the router's health checks time out and mark this worker down). Idle threads exit.
+        max_workers=PREFILL_MAX_CALLS,
         max_concurrent_rpcs=config.max_concurrent_rpcs,
     )
     prefill.kv_address = service.grpc_address
