@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 LOG_FORMAT = "PDSERVE_LOG_FORMAT"
+API_KEY = "PDSERVE_API_KEY"  # the router's key, and what clients send, when no flag says
 LOGGING_LEVEL = "PDSERVE_LOGGING_LEVEL"
 LOGGING_LEVELS = {
     "DEBUG": logging.DEBUG,
@@ -53,3 +54,10 @@ def logging_level() -> int:
             f"{LOGGING_LEVEL}: expected one of {', '.join(LOGGING_LEVELS)}, got {value!r}"
         )
     return LOGGING_LEVELS[name]
+
+
+def api_key() -> str | None:
+    """`$PDSERVE_API_KEY`: the router's API key when its config sets none, and the key a client
+    command (`generate`, `status`, `bench serve`) or a registering worker sends when no flag
+    gives one (as users pass secrets, off the command line). None when unset."""
+    return os.environ.get(API_KEY)

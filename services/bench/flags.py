@@ -5,8 +5,8 @@ itself is `command.py`."""
 from __future__ import annotations
 
 import argparse
-import os
 
+from services import env
 from services.bench.dataset import DATASETS
 
 
@@ -67,7 +67,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("PDSERVE_API_KEY"),
+        default=env.api_key(),
         help="bearer token (default: $PDSERVE_API_KEY)",
     )
     parser.add_argument("--json", default=None, metavar="OUT", help="write the run as JSON")

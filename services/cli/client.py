@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
+from services import env
 from services.cli.sampling import parse_ids, sampling_params
 from services.common.channels import check_address
 from services.common.convert import sampling_to_proto, timings_to_dict
@@ -26,7 +26,6 @@ from services.common.pb import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.config.roles import API_KEY_ENV
 
 
 @dataclass
@@ -133,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
         print(text, end="", flush=True)
 
     try:
-        api_key = args.api_key or os.environ.get(API_KEY_ENV)
+        api_key = args.api_key or env.api_key()
         result = stream_generate(
             args.url, request, args.timeout, None if args.json else print_delta, api_key
         )
@@ -158,7 +157,7 @@ def reset_prefix_cache(args: argparse.Namespace) -> int:
             reply = worker_pb2_grpc.AdminStub(channel).ResetPrefixCache(
                 worker_pb2.ResetPrefixCacheRequest(),
                 timeout=args.timeout,
-                metadata=_auth_metadata(args.api_key or os.environ.get(API_KEY_ENV)),
+                metadata=_auth_metadata(args.api_key or env.api_key()),
             )
     except grpc.RpcError as exc:
         print(f"pdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import TYPE_CHECKING
 
-from services.config.roles import API_KEY_ENV
+from services import env
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -128,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
     from services.common.pb import common_pb2, worker_pb2_grpc
 
     check_address(args.url, "--url")
-    key = args.api_key or os.environ.get(API_KEY_ENV)
+    key = args.api_key or env.api_key()
     metadata = (("authorization", f"Bearer {key}"),) if key else ()
     try:
         with grpc.insecure_channel(args.url) as channel:

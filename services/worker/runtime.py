@@ -219,11 +219,11 @@ class RunningWorker:
 def _grpc_register(router: str) -> Callable[[Member, bool], float]:
     """The transport of `--register-with`: Admin.RegisterWorker on `router` (its API key, if
     any, from $PDSERVE_API_KEY), returning the ttl it grants."""
+    from services import env
     from services.common.channels import CHANNEL_OPTIONS
-    from services.config.roles import API_KEY_ENV
 
     stub = worker_pb2_grpc.AdminStub(grpc.insecure_channel(router, options=CHANNEL_OPTIONS))
-    key = os.environ.get(API_KEY_ENV)
+    key = env.api_key()
     metadata = [("authorization", f"Bearer {key}")] if key else None
 
     def register(member: Member, leave: bool) -> float:
