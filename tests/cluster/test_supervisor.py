@@ -68,6 +68,26 @@ while True:
     time.sleep(1)
 """
 
+
+@pytest.fixture(autouse=True)
+def no_log_setup_left_over(monkeypatch):
+    """The supervisor prints its own messages unless a log set-up of this process filters them
+    (`logs.lets_through`): start each test with none left by an earlier test in this
+    interpreter (a `cli.main` call configures logging), and put back whatever was there."""
+    monkeypatch.delenv("PDSERVE_LOGGING_LEVEL", raising=False)
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    for handler in handlers:
+        if handler.get_name() == "pdserve":
+            root.removeHandler(handler)
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
 DRIVER = """
 import sys
 from services.cluster.launcher import ChildSpec, ClusterSpec
