@@ -85,22 +85,11 @@ PB_IMPORTERS: dict[str, str] = {
     "services.kv_transfer.torch_dist.receiver": "the torch.distributed path's SendKV RPC",
     "services.kv_transfer.torch_dist.source": "the torch.distributed path's OpenKVGroup/SendKV",
     "services.router.admin": "the router's Admin servicer",
+    "services.router.convert": "the Generation servicer's messages <-> the flow's dataclasses",
     "services.router.server": "the router's Generation servicer",
     "services.router.pool.worker_pool": "the router's worker-client module (stubs, GetInfo)",
-    "services.router.openai.app": "the HTTP app: OpenAI JSON <-> GenerateRequest",
-    "services.router.openai.bodies": "the HTTP app: response bodies from Generate messages",
-    "services.router.openai.protocol": "the HTTP app: request parsing into GenerateRequest",
-    "services.router.openai.render": "the HTTP app: Generate messages rendered as OpenAI JSON",
-    "services.router.openai.sampling": "the HTTP app: sampling fields into SamplingParams proto",
+    "services.router.pool.worker_calls": "the router's worker-client module: Prefill/Decode RPCs",
     "services.worker.runtime": "the workers' Admin servicer and WorkerInfo",
-    # Due to leave the list: protobuf belongs at the edges (servicers, the HTTP app, the client,
-    # the router's worker-client module); the router's flow should run on dataclasses.
-    "services.router.flow.generate": "due to leave: the flow takes a GenerateRequest message",
-    "services.router.flow.prefill_call": "due to leave: builds the Prefill RPC's request",
-    "services.router.flow.prompt": "due to leave: reads the prompt from a GenerateRequest",
-    "services.router.flow.request_stats": "due to leave: fills the response's Timings message",
-    "services.router.flow.responses": "due to leave: builds GenerateResponse messages",
-    "services.router.flow.run": "due to leave: calls Prefill/Decode with worker messages",
 }
 
 # ---------------------------------------------------------------------------------------------

@@ -48,7 +48,8 @@ _OPTIONAL_SAMPLING_FIELDS = (
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take the engine defaults; ValueError names a bad field."""
+    """Unset optional fields take the engine defaults; ValueError names a bad field (the
+    message's `stop` strings are not engine parameters: read them from `msg.stop`)."""
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
     return SamplingParams(
         **kwargs,
@@ -92,6 +93,11 @@ def logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprob:
         rank=logprobs.rank,
         top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
     )
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprobs:
+    top = tuple((t.token_id, t.logprob) for t in msg.top)
+    return TokenLogprobs(msg.token_id, msg.logprob, msg.rank, top)
 
 
 def handle_to_proto(handle: KVHandle, source: str) -> common_pb2.KVHandle:

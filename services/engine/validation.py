@@ -19,6 +19,13 @@ def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
         raise InvalidRequestError(field, f"token ids {bad[:5]} outside [0, {vocab_size})")
 
 
+def check_sampling_ids(params: SamplingParams, vocab_size: int) -> None:
+    """InvalidRequestError naming `stop_token_ids` or `logit_bias` when one of their token ids
+    is outside [0, vocab_size) (the value ranges are SamplingParams' own checks)."""
+    check_token_ids(list(params.stop_token_ids), vocab_size, "stop_token_ids")
+    check_token_ids([t for t, _ in params.logit_bias], vocab_size, "logit_bias")
+
+
 def _integers(values: Iterable | None, field: str, message: str) -> list[int]:
     """`values` as a list of ints; InvalidRequestError(`field`, `message`) for None or unless
     every one is an integer (bools are not)."""
@@ -110,8 +117,7 @@ class RequestChecker:
                 + f"; max_model_len is {self.max_model_len}",
             )
         check_token_ids(prompt_ids, self.vocab_size, "prompt_token_ids")
-        check_token_ids(list(params.stop_token_ids), self.vocab_size, "stop_token_ids")
-        check_token_ids([t for t, _ in params.logit_bias], self.vocab_size, "logit_bias")
+        check_sampling_ids(params, self.vocab_size)
         role = self.config.role
         if role != EngineRole.DECODE and kv_handle is not None:
             raise InvalidRequestError(

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import request_id
-from services.common.errors import UnauthenticatedError
+from services.common.errors import UnauthenticatedError, status_for
 from services.common.grpc_server import RunningService, start_service, wait_for_termination
 from services.common.pb import generate_pb2, generate_pb2_grpc, worker_pb2_grpc
 from services.config.roles import API_KEY_ENV, RouterConfig
 from services.router.admin import RouterAdminServicer
 from services.router.api_key import check_metadata
+from services.router.convert import output_to_proto, request_from_proto
 from services.router.flow.cancel import CancelScope
 from services.router.flow.generate import GenerateFlow
 from services.router.flow.prompt import ModelInfo
@@ -38,9 +39,10 @@ logger = logging.getLogger(__name__)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    """`Generation.Generate` over `GenerateFlow`: the client's deadline (or the router's
-    request_timeout when it set none) bounds every downstream call, and a client cancel
-    cancels the in-flight downstream call at once."""
+    """`Generation.Generate` over `GenerateFlow`: converts the request into the flow's
+    `GenerationRequest` and its outputs back into messages (`router/convert.py`). The client's
+    deadline (or the router's request_timeout when it set none) bounds every downstream call,
+    and a client cancel cancels the in-flight downstream call at once."""
 
     def __init__(self, flow: GenerateFlow, api_key: str | None = None) -> None:
         self.flow = flow
@@ -59,19 +61,25 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             or request_id.new_request_id()
         )
         context.send_initial_metadata(request_id.metadata(rid))  # the client learns its id
-        request.request_id = rid  # the workers' per-sequence ids start with it
         with request_id.bound(rid):
             try:
                 check_metadata(metadata, self._key)
-            except UnauthenticatedError:
-                count_error(grpc.StatusCode.UNAUTHENTICATED)
+                # the workers' per-sequence ids start with rid
+                generation = request_from_proto(request, rid)
+            except (UnauthenticatedError, ValueError) as exc:
+                count_error(status_for(exc)[0])  # refused before any flow: counted here
                 raise
         deadline = self.flow.deadline_for(context.time_remaining())
         scope = CancelScope()
         # Runs when the RPC ends for any reason: cancel, deadline, or normal completion (no-op).
         if not context.add_callback(scope.cancel):
             scope.cancel()  # the RPC is already over
-        yield from request_id.bind_stream(self.flow.generate(request, deadline, scope), rid)
+        outputs = request_id.bind_stream(self.flow.generate(generation, deadline, scope), rid)
+        try:
+            for output in outputs:
+                yield output_to_proto(output)
+        finally:
+            outputs.close()  # a client gone mid-stream ends the flow (and its calls) now
 
 
 @dataclass

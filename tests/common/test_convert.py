@@ -1,11 +1,18 @@
-"""Sampling parameters survive the proto round trip; unset fields take the engine defaults."""
+"""Sampling parameters and log-probabilities survive the proto round trip; unset sampling fields
+take the engine defaults."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.common.convert import sampling_from_proto, sampling_to_proto
+from services.common.convert import (
+    logprobs_from_proto,
+    logprobs_to_proto,
+    sampling_from_proto,
+    sampling_to_proto,
+)
 from services.common.pb import common_pb2
+from services.engine.outputs import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 
 
@@ -54,3 +61,15 @@ def test_unset_fields_take_the_defaults_and_defaults_stay_unset():
 def test_bad_values_from_the_wire_name_the_field(fields, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         sampling_from_proto(common_pb2.SamplingParams(**fields))
+
+
+@pytest.mark.parametrize(
+    "logprobs",
+    [
+        TokenLogprobs(7, -0.25, 1, ()),
+        TokenLogprobs(3, -1.5, 2, ((5, -0.5), (3, -1.5), (9, -4.0))),  # values float32 holds
+    ],
+)
+def test_logprobs_round_trip(logprobs):
+    msg = common_pb2.TokenLogprob.FromString(logprobs_to_proto(logprobs).SerializeToString())
+    assert logprobs_from_proto(msg) == logprobs

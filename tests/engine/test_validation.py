@@ -2,35 +2,82 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 from transformers import MistralConfig, MistralForCausalLM
 
 from services.engine import LLM, Engine, EngineConfig, SamplingParams
 from services.engine.errors import InvalidRequestError, ResourceExhaustedError
+from services.engine.sampling_params import check_stop_strings
 from tests.engine.helpers import GREEDY, make_engine
 from tests.reference import assert_equivalent, hf_greedy
 
+BAD_SAMPLING = [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature="0.5"), "temperature"),
+    (dict(seed=1.5), "seed"),
+    (dict(stop_token_ids=(-1,)), "stop_token_ids"),
+    # What the worker protocol cannot carry (int32 counts and ids, a uint64 seed, float32s).
+    (dict(max_tokens=2**31), "max_tokens"),
+    (dict(top_k=2**31), "top_k"),
+    (dict(seed=-1), "seed"),
+    (dict(seed=2**64), "seed"),
+    (dict(stop_token_ids=(2**31,)), "stop_token_ids"),
+    (dict(temperature=1e39), "temperature"),
+    (dict(temperature=10**400), "temperature"),  # too large for a float: refused, not raised
+    (dict(repetition_penalty=1e39), "repetition_penalty"),
+    (dict(logit_bias={2**31: 1.0}), "logit_bias"),
+    (dict(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias"),
+    (dict(ignore_eos=1), "ignore_eos"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=True), "logprobs"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty="0"), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(logit_bias={1: 101}), "logit_bias"),
+]
 
-@pytest.mark.parametrize(
-    "kwargs, field",
-    [
-        (dict(max_tokens=0), "max_tokens"),
-        (dict(temperature=-0.1), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-2), "top_k"),
-        (dict(top_k=2.5), "top_k"),
-        (dict(max_tokens=True), "max_tokens"),
-        (dict(temperature=float("nan")), "temperature"),
-        (dict(temperature=float("inf")), "temperature"),
-        (dict(temperature="0.5"), "temperature"),
-        (dict(seed=1.5), "seed"),
-        (dict(stop_token_ids=(-1,)), "stop_token_ids"),
-    ],
-)
+
+@pytest.mark.parametrize("kwargs, field", BAD_SAMPLING)
 def test_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(**kwargs)
+
+
+def test_every_sampling_field_is_checked():
+    """SamplingParams is the one place sampling values are validated: each field has a case."""
+    assert {field for _, field in BAD_SAMPLING} == {f.name for f in fields(SamplingParams)}
+
+
+def test_the_widest_values_the_wire_carries_are_accepted():
+    params = SamplingParams(
+        max_tokens=2**31 - 1, top_k=2**31 - 1, seed=2**64 - 1, stop_token_ids=(2**31 - 1,)
+    )
+    assert (params.max_tokens, params.seed) == (2**31 - 1, 2**64 - 1)
+    assert SamplingParams(logit_bias={i: 1.0 for i in range(1024)}).adjusts_logits
+
+
+@pytest.mark.parametrize(
+    "stop, message",
+    [
+        ([""], "stop: stop strings must not be empty"),
+        ("x", "stop: must be a list of strings"),
+        ([b"x"], "stop: must be a list of strings"),
+    ],
+)
+def test_stop_strings_name_the_field(stop, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        check_stop_strings(stop)
+    assert check_stop_strings(["a", "bc"]) == ("a", "bc")
 
 
 @pytest.mark.parametrize(

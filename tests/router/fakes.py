@@ -1,6 +1,7 @@
 """Fakes and helpers the router tests share: tiny Prefill / Decode / KVTransfer / Admin
-servicers that answer over real gRPC on loopback (no model processes), canned requests, and
-small helpers for metrics, HTTP posts and polling.
+servicers that answer over real gRPC on loopback (no model processes), canned requests (a
+Generate message for the gRPC API, a `GenerationRequest` for the flow itself), and small helpers
+for metrics, HTTP posts and polling.
 
 The fakes return canned token ids of real text (the default model's tokenizer), so the streamed
 text, finish_reason, usage and the cancellation of the decode stream are checked exactly.
@@ -18,6 +19,8 @@ import grpc
 from prometheus_client import REGISTRY
 
 from services.common.pb import common_pb2, generate_pb2, worker_pb2, worker_pb2_grpc
+from services.engine.sampling_params import SamplingParams
+from services.router.flow.messages import GenerationRequest
 
 PROMPT = "Hello world"
 COMPLETION = " The answer is 42. STOP here, and then more text follows."
@@ -31,6 +34,12 @@ def _request(**sampling) -> generate_pb2.GenerateRequest:
     return generate_pb2.GenerateRequest(
         text=PROMPT, sampling=common_pb2.SamplingParams(stop=stop, **sampling)
     )
+
+
+def _flow_request(**sampling) -> GenerationRequest:
+    """What `_request` asks for, as the flow takes it."""
+    stop = sampling.pop("stop", ())
+    return GenerationRequest(text=PROMPT, sampling=SamplingParams(**sampling), stop=stop)
 
 
 def _fake_logprob(token_id: int, request) -> common_pb2.TokenLogprob:

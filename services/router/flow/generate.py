@@ -1,8 +1,9 @@
 """The router's request flow: validate -> Prefill -> first token -> Decode stream -> text.
 
-Transport-light: `GenerateFlow.generate` takes a `GenerateRequest`, an absolute deadline and a
-`CancelScope`, and yields `GenerateResponse` messages. The gRPC servicer and the HTTP API both
-drive it; neither re-implements any step.
+Transport-free: `GenerateFlow.generate` takes a `GenerationRequest` (a plain dataclass,
+`messages.py`), an absolute deadline and a `CancelScope`, and yields `GenerationOutput`s. The gRPC
+servicer and the HTTP API both drive it, each converting its own wire format; neither
+re-implements any step. Its calls to the workers go through `router/pool/worker_calls.py`.
 
 One request's path through the workers (timeouts, cancels, releases, the retry) is
 `router/flow/run.py`.
@@ -18,12 +19,12 @@ from collections.abc import Generator
 import grpc
 
 from services.common.errors import ServiceUnavailableError, status_for
-from services.common.pb import generate_pb2
 from services.config.migration import MigrationConfig
 from services.config.roles import RouterConfig
 from services.router.flow.admission import AdmissionGate
 from services.router.flow.cancel import CancelScope
 from services.router.flow.context import FlowContext
+from services.router.flow.messages import GenerationOutput, GenerationRequest
 from services.router.flow.prompt import ModelInfo
 from services.router.flow.request_stats import count_error, create_series
 from services.router.flow.run import RequestRun
@@ -121,26 +122,27 @@ class GenerateFlow:
 
     def generate(
         self,
-        request: generate_pb2.GenerateRequest,
+        request: GenerationRequest,
         deadline: float,
         scope: CancelScope | None = None,
         admit: bool = True,
         siblings: Siblings | None = None,
         leader: bool = True,
         received: float | None = None,
-    ) -> Generator[generate_pb2.GenerateResponse, None, None]:
-        """Streams the completion; the last message has finish_reason, usage and timings.
+    ) -> Generator[GenerationOutput, None, None]:
+        """Streams the completion; the last output has finish_reason, usage and timings.
 
         `admit`: take one unit of the admission gate for the request's life (False: the caller
         holds units for it, as the HTTP API does for all the choices of one request).
         `siblings`: the group of the n sequences of one prompt (`siblings.py`), this one its
         `leader` or not. `received`: when the request arrived (time.monotonic() seconds; default
         now), where its timings start.
-        Raises (when iterated): OverloadedError when the gate is full, InvalidRequestError /
-        ValueError for bad input (field named), ServiceUnavailableError with no workers, when
-        the router is shutting down, or when a worker failed past what migration covers,
-        TimeoutError past the deadline, RequestCancelledError when `scope` is cancelled,
-        grpc.RpcError from a worker. Closing the generator early cancels whatever is in flight.
+        Raises (when iterated): OverloadedError when the gate is full, InvalidRequestError
+        for a request the model cannot take (the field named: `prompt.prepare_request`),
+        ServiceUnavailableError with no workers, when the router is shutting down, or when a
+        worker failed past what migration covers, TimeoutError past the deadline,
+        RequestCancelledError when `scope` is cancelled, grpc.RpcError from a worker.
+        Closing the generator early cancels whatever is in flight.
         """
         scope = scope if scope is not None else CancelScope()
         try:
@@ -155,11 +157,11 @@ class GenerateFlow:
         run = RequestRun(self.context, request, deadline, scope, siblings, leader, received)
         finished = False
         try:
-            for response in run.responses():
-                if response.finish_reason and not finished:
+            for output in run.outputs():
+                if output.finish_reason and not finished:
                     finished = True
-                    _log_finished(response)
-                yield response
+                    _log_finished(output)
+                yield output
         except BaseException as exc:  # GeneratorExit too: the consumer went away
             if not finished:
                 code = self._failure_code(exc, deadline)
@@ -187,13 +189,14 @@ class GenerateFlow:
         return code
 
 
-def _log_finished(response: generate_pb2.GenerateResponse) -> None:
+def _log_finished(output: GenerationOutput) -> None:
     """One INFO line per finished sequence (its request id is on the record)."""
-    timings, usage = response.timings, response.usage
+    timings, usage = output.timings, output.usage
+    assert timings is not None and usage is not None  # the last output carries both
     logger.info(
         "request finished: %s, path=%s, prompt_tokens=%d, completion_tokens=%d, "
         "cached_tokens=%d, ttft=%.3fs, e2e=%.3fs",
-        response.finish_reason,
+        output.finish_reason,
         timings.path,
         usage.prompt_tokens,
         usage.completion_tokens,

@@ -14,16 +14,14 @@ from collections.abc import Callable
 
 import grpc
 
-from services.common import request_id
-from services.common.convert import sampling_to_proto
 from services.common.errors import ServiceUnavailableError
-from services.common.pb import worker_pb2
 from services.router.flow.cancel import CancelScope, RequestCancelledError
 from services.router.flow.context import FlowContext
 from services.router.flow.prompt import PreparedRequest
 from services.router.flow.request_stats import RequestStats
 from services.router.flow.siblings import Siblings
 from services.router.flow.watchdog import StalledCallError
+from services.router.pool.worker_calls import PrefillReply, WorkerRequest, start_prefill
 
 
 class PrefillCall:
@@ -53,7 +51,7 @@ class PrefillCall:
 
     def run(
         self, prepared: PreparedRequest, resumed: list[int], engine_request_id: str
-    ) -> worker_pb2.PrefillResponse:
+    ) -> PrefillReply:
         """Runs the Prefill RPC (of the prompt, plus a migrated request's `resumed` outputs) as
         `engine_request_id` on a picked worker (`prefill_address` once it returns);
         cancellable through the scope. A worker that answers UNAVAILABLE (dead, draining, or
@@ -106,19 +104,14 @@ class PrefillCall:
 
     def _call_prefill(
         self, prepared: PreparedRequest, resumed: list[int], rid: str
-    ) -> worker_pb2.PrefillResponse:
-        stub = self.context.pool.prefill_stub(self.prefill_address)
-        message = worker_pb2.PrefillRequest(
-            request_id=rid,
-            prompt_token_ids=prepared.prompt_token_ids,
-            sampling=sampling_to_proto(prepared.params),
-            cache_salt=prepared.cache_salt,
-            output_token_ids=resumed,
+    ) -> PrefillReply:
+        request = WorkerRequest(
+            rid, prepared.prompt_token_ids, prepared.params, prepared.cache_salt, resumed
         )
         self.scope.check()
         start = time.monotonic()
         future = self.scope.track(
-            stub.Prefill.future(message, timeout=self._remaining(), metadata=request_id.metadata())
+            start_prefill(self.context.pool, self.prefill_address, request, self._remaining())
         )
         try:
             with self.context.watchdog.watch(self.prefill_address, future) as watch:

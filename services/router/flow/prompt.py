@@ -1,8 +1,10 @@
-"""Turning a `GenerateRequest` into validated prompt token ids and sampling parameters.
+"""Turning a `GenerationRequest` into prompt token ids checked against the served model.
 
 The router validates everything a worker would reject, so a bad request fails before it costs
 a prefill: typed errors (InvalidRequestError, ValueError) name the offending field. Nothing is
-clamped silently.
+clamped silently. The sampling values were checked when the request's `SamplingParams` was built
+(`services/engine/sampling_params.py`, the one place); here is what depends on the model: the
+vocabulary, max_model_len and the tokenizer.
 """
 
 from __future__ import annotations
@@ -12,13 +14,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.convert import sampling_from_proto
-from services.common.pb import generate_pb2
 from services.engine.errors import InvalidRequestError
 from services.engine.loader import model_limits, resolve_model
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import Tokenizer
-from services.engine.validation import check_cache_salt, check_token_ids
+from services.engine.validation import check_sampling_ids, check_token_ids
+from services.router.flow.messages import ChatMessage, GenerationRequest
 
 logger = logging.getLogger(__name__)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -83,30 +84,25 @@ class PreparedRequest:
     """Sent to both workers: part of every block hash (empty: no salt)."""
 
 
-def prepare_request(request: generate_pb2.GenerateRequest, model: ModelInfo) -> PreparedRequest:
-    """Validates and tokenizes `request`.
+def prepare_request(request: GenerationRequest, model: ModelInfo) -> PreparedRequest:
+    """Checks `request` against `model` and tokenizes its prompt.
 
     Raises:
-        InvalidRequestError: field "prompt" (none given, empty, too long for max_model_len,
-            text without a tokenizer), "prompt_token_ids" / "stop_token_ids" (ids outside
-            [0, vocab_size)), "chat.messages[i].role", "stop".
-        ValueError: a sampling field out of range (max_tokens, temperature, top_p, top_k).
+        InvalidRequestError: field "max_tokens" (no room for a prompt, or none left by this
+            one), "prompt" (empty, too long for max_model_len, text without a tokenizer),
+            "prompt_token_ids" / "stop_token_ids" / "logit_bias" (ids outside [0, vocab_size)),
+            "chat.messages[i].role", "stop" (no tokenizer to match text with).
     """
-    params = sampling_from_proto(request.sampling)
+    params = request.sampling
     if params.max_tokens >= model.max_model_len:  # before tokenizing: no prompt could fit it
         raise InvalidRequestError(
             "max_tokens",
             f"must be below max_model_len {model.max_model_len} (room for the prompt), "
             f"got {params.max_tokens}",
         )
-    stop = tuple(request.sampling.stop)
-    if any(not s for s in stop):
-        raise InvalidRequestError("stop", "stop strings must not be empty")
-    if stop and model.tokenizer is None:
+    if request.stop and model.tokenizer is None:
         raise InvalidRequestError("stop", "this model has no tokenizer, so no text to match")
-    check_token_ids(list(params.stop_token_ids), model.vocab_size, "stop_token_ids")
-    check_token_ids([t for t, _ in params.logit_bias], model.vocab_size, "logit_bias")
-    check_cache_salt(request.cache_salt or None)  # proto3: empty means no salt
+    check_sampling_ids(params, model.vocab_size)
     prompt_ids = tokenize_prompt(request, model)
     if not prompt_ids:
         raise InvalidRequestError("prompt", "must not be empty")
@@ -127,22 +123,20 @@ def prepare_request(request: generate_pb2.GenerateRequest, model: ModelInfo) -> 
     request_id = (
         f"{request.request_id}-{uuid.uuid4().hex[:12]}" if request.request_id else uuid.uuid4().hex
     )
-    return PreparedRequest(request_id, prompt_ids, params, stop, request.cache_salt)
+    return PreparedRequest(request_id, prompt_ids, params, request.stop, request.cache_salt or "")
 
 
-def tokenize_prompt(request: generate_pb2.GenerateRequest, model: ModelInfo) -> list[int]:
-    """Prompt token ids from exactly one of text / token_ids / chat (InvalidRequestError)."""
-    kind = request.WhichOneof("prompt")
-    if kind is None:
-        raise InvalidRequestError("prompt", "set exactly one of text, token_ids, chat")
-    if kind == "token_ids":
-        return list(request.token_ids.ids)
+def tokenize_prompt(request: GenerationRequest, model: ModelInfo) -> list[int]:
+    """Prompt token ids of the request's text, token ids or chat (InvalidRequestError)."""
+    if request.token_ids is not None:
+        return list(request.token_ids)
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise InvalidRequestError("prompt", "this model has no tokenizer; send token_ids")
-    if kind == "text":
+    if request.text is not None:
         model.check_text_length(len(request.text), "prompt")
         return tokenizer.encode(request.text) if request.text else []
+    assert request.chat is not None  # GenerationRequest holds exactly one prompt
     messages = chat_messages(request.chat)
     model.check_text_length(sum(len(m["content"]) for m in messages), "messages")
     if not tokenizer.has_chat_template:
@@ -150,14 +144,14 @@ def tokenize_prompt(request: generate_pb2.GenerateRequest, model: ModelInfo) -> 
     return tokenizer.encode(tokenizer.apply_chat_template(messages))
 
 
-def chat_messages(chat: generate_pb2.ChatMessages) -> list[dict[str, str]]:
+def chat_messages(chat: tuple[ChatMessage, ...]) -> list[dict[str, str]]:
     """The chat as template input (a "developer" message as "system"); InvalidRequestError for
     no messages or an unknown role."""
-    if not chat.messages:
+    if not chat:
         raise InvalidRequestError("prompt", "chat has no messages")
-    if len(chat.messages) > MAX_MESSAGES:
+    if len(chat) > MAX_MESSAGES:
         raise InvalidRequestError("chat.messages", f"at most {MAX_MESSAGES} messages")
-    for i, message in enumerate(chat.messages):
+    for i, message in enumerate(chat):
         if message.role not in CHAT_ROLES:
             raise InvalidRequestError(
                 f"chat.messages[{i}].role",
@@ -165,6 +159,5 @@ def chat_messages(chat: generate_pb2.ChatMessages) -> list[dict[str, str]]:
             )
     # OpenAI's "developer" messages replace "system" ones; chat templates know only "system".
     return [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.content}
-        for m in chat.messages
+        {"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in chat
     ]

@@ -5,7 +5,7 @@ seconds on the monotonic clock, measured from when the router received the reque
 TTFT = first token sent; E2E = last token sent; TPOT = (E2E - TTFT) / (tokens - 1) when more
 than one token was generated; ITL = each gap between consecutive messages carrying tokens.
 
-The legs (`Timings` in generate.proto; `pdserve_request_leg_seconds{leg}`) split them:
+The legs (`Timings`, `messages.py`; `pdserve_request_leg_seconds{leg}`) split them:
     TTFT ~ router_queue + tokenize + prefill_queue + prefill
     E2E  ~ TTFT + decode_queue + kv_transfer + first_decode_step + decode
 `prefill` and `first_decode_step` are the workers' own compute figures (first scheduled -> first
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common import metrics
-from services.common.pb import generate_pb2
+from services.router.flow.messages import Timings, Usage
 
 ROLE = "router"
 LEGS = (
@@ -189,21 +189,21 @@ class RequestStats:
     def on_failed(self, code: grpc.StatusCode) -> None:
         count_error(code)
 
-    def usage(self) -> generate_pb2.Usage:
-        return generate_pb2.Usage(
+    def usage(self) -> Usage:
+        return Usage(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.num_tokens,
             cached_tokens=self.cached_tokens,
         )
 
-    def timings(self) -> generate_pb2.Timings:
+    def timings(self) -> Timings:
         """Seconds; call after the last `on_tokens_sent`."""
         end = self.last_token_at if self.last_token_at is not None else time.monotonic()
         ttft = (self.first_token_at or end) - self.start
         decode = 0.0
         if self.first_decode_at is not None:
             decode = max(0.0, end - self.first_decode_at)
-        return generate_pb2.Timings(
+        return Timings(
             ttft=ttft,
             e2e=end - self.start,
             router_queue=self.router_queue,

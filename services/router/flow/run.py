@@ -24,22 +24,21 @@ from collections.abc import Iterator
 
 import grpc
 
-from services.common import request_id
 from services.common.channels import release_kv
-from services.common.convert import sampling_to_proto
 from services.common.errors import PeerUnavailableError
-from services.common.pb import common_pb2, generate_pb2, worker_pb2
 from services.engine.errors import InvalidRequestError
 from services.router.flow.cancel import CancelScope
 from services.router.flow.context import FlowContext
+from services.router.flow.messages import GenerationOutput, GenerationRequest
 from services.router.flow.migration import WorkerLost, decode_failure
 from services.router.flow.prefill_call import PrefillCall
 from services.router.flow.prompt import PreparedRequest, prepare_request
 from services.router.flow.request_stats import RequestStats
-from services.router.flow.responses import ResponseStream, delta_response, drain, final_response
+from services.router.flow.responses import delta_output, final_output
 from services.router.flow.siblings import Siblings
 from services.router.flow.text_stream import TextStream
 from services.router.flow.watchdog import Watch
+from services.router.pool.worker_calls import DecodeStream, RemoteKV, WorkerRequest, start_decode
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ class RequestRun:
     def __init__(
         self,
         context: FlowContext,
-        request: generate_pb2.GenerateRequest,
+        request: GenerationRequest,
         deadline: float,
         scope: CancelScope,
         siblings: Siblings | None = None,
@@ -68,12 +67,12 @@ class RequestRun:
         self.request_id = request.request_id
         self.engine_request_id = request.request_id  # the workers' id (one per attempt)
         self.prefill_address = ""
-        self.handle: common_pb2.KVHandle | None = None  # the pinned prompt KV, once prefilled
+        self.kv: RemoteKV | None = None  # the pinned prompt KV, once prefilled
         self.prefill = PrefillCall(
             context, scope, self.stats, self._remaining, self._release_kv, siblings, leader
         )
 
-    def responses(self) -> Iterator[generate_pb2.GenerateResponse]:
+    def outputs(self) -> Iterator[GenerationOutput]:
         self.stats.on_started()
         prepared = self._prepare()
         self.stats.on_path(self.context.path_for(len(prepared.prompt_token_ids)))
@@ -90,9 +89,7 @@ class RequestRun:
             if self.siblings is not None and self.leader:
                 self.siblings.ended()
 
-    def _attempt(
-        self, prepared: PreparedRequest, text: TextStream
-    ) -> Iterator[generate_pb2.GenerateResponse]:
+    def _attempt(self, prepared: PreparedRequest, text: TextStream) -> Iterator[GenerationOutput]:
         """Prefill (on the prefill pool or the decode worker), then decode. After a migration
         the prompt plus the tokens the client already has are prefilled, and decoding resumes
         from the next token. Raises WorkerLost when a worker fails mid-request."""
@@ -107,19 +104,19 @@ class RequestRun:
             return
         prefill = self.prefill.run(prepared, resumed, self.engine_request_id)
         self.prefill_address = self.prefill.prefill_address
-        self.handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
+        self.kv = prefill.kv
         # from here on the prefill worker may hold pinned KV for this request
         first = text.add([prefill.first_token_id])
-        first_logprobs = [prefill.first_logprob] if prefill.HasField("first_logprob") else []
+        first_logprobs = [prefill.first_logprob] if prefill.first_logprob is not None else []
         finish = "stop" if first.stopped else prefill.finish_reason
-        if not finish and self.handle is None:
+        if not finish and self.kv is None:
             raise RuntimeError("prefill worker returned neither a finish_reason nor a kv_handle")
         if finish:
-            yield final_response(first, text, finish, first_logprobs, self.stats)
+            yield final_output(first, text, finish, first_logprobs, self.stats)
             return
         # the first token goes out now: that is TTFT (after a migration, just the next token)
-        yield delta_response(first, first_logprobs, self.stats)
-        yield from self._decode(prepared, self.handle, text, resumed)
+        yield delta_output(first, first_logprobs, self.stats)
+        yield from self._decode(prepared, self.kv, text, resumed)
 
     def _migrate(self, lost: WorkerLost, text: TextStream) -> None:
         """Takes the failed worker out of routing and readies the next attempt; raises
@@ -152,14 +149,14 @@ class RequestRun:
 
     def _release_unlanded(self) -> None:
         """Unpins the prompt KV of a handle no decode worker reported landed (best effort)."""
-        if self.handle is not None and not self.kv_landed:
-            self._release_kv(self.handle.request_id or self.engine_request_id, self._kv_source())
-        self.handle = None
+        if self.kv is not None and not self.kv_landed:
+            self._release_kv(self.kv.handle.request_id or self.engine_request_id, self._kv_source())
+        self.kv = None
 
     def _kv_source(self) -> str:
         """HOST:PORT serving the handle's KV (a worker that names no source serves it itself)."""
-        assert self.handle is not None
-        return self.handle.source or self.prefill_address
+        assert self.kv is not None
+        return self.kv.source or self.prefill_address
 
     def _remaining(self) -> float:
         """Seconds left until the deadline; TimeoutError when none are."""
@@ -187,40 +184,37 @@ class RequestRun:
     def _decode(
         self,
         prepared: PreparedRequest,
-        handle: common_pb2.KVHandle | None,
+        kv: RemoteKV | None,
         text: TextStream,
         resumed: list[int],
-    ) -> Iterator[generate_pb2.GenerateResponse]:
+    ) -> Iterator[GenerationOutput]:
         """Streams the Decode RPC's tokens through `text` until a finish_reason or stop string;
-        without a `handle`, the decode worker prefills the prompt (+ `resumed`) itself (the
+        without `kv`, the decode worker prefills the prompt (+ `resumed`) itself (the
         local path). Raises WorkerLost when the decode worker (or the KV's source) fails."""
         self.stats.on_decode_started()  # a sibling's wait for the leader's KV is decode queue
         prefer = None
         if self.siblings is not None and not self.leader and not resumed:
             prefer = self.siblings.decode_worker(self._remaining())
         address = self.context.routing.pick_decode(prefer)
-        message = worker_pb2.DecodeRequest(
-            request_id=self.engine_request_id,
-            prompt_token_ids=prepared.prompt_token_ids,
-            sampling=sampling_to_proto(prepared.params),
-            kv_handle=handle,
-            cache_salt=prepared.cache_salt,
-            output_token_ids=resumed,
+        request = WorkerRequest(
+            self.engine_request_id,
+            prepared.prompt_token_ids,
+            prepared.params,
+            prepared.cache_salt,
+            resumed,
         )
         try:  # decode_done on every path, a cancel before the call starts included
             self.scope.check()
             call = self.scope.track(
-                self.context.pool.decode_stub(address).Decode(
-                    message, timeout=self._remaining(), metadata=request_id.metadata()
-                )
+                start_decode(self.context.pool, address, request, kv, self._remaining())
             )
             try:
                 with self.context.watchdog.watch(address, call) as watch:
-                    yield from self._stream_decode(call, handle, text, address, watch)
+                    yield from self._stream_decode(call, kv, text, address, watch)
             except grpc.RpcError as exc:
                 if self.scope.cancelled:
                     raise self.scope.error() from exc
-                source = self._kv_source() if handle is not None else None
+                source = self._kv_source() if kv is not None else None
                 lost = decode_failure(exc, address, source, self.kv_landed, watch.stalled)
                 if lost is not None:
                     raise lost from exc
@@ -233,35 +227,35 @@ class RequestRun:
 
     def _stream_decode(
         self,
-        call: ResponseStream[worker_pb2.DecodeResponse],
-        handle: common_pb2.KVHandle | None,
+        call: DecodeStream,
+        kv: RemoteKV | None,
         text: TextStream,
         address: str,
         watch: Watch,
-    ) -> Iterator[generate_pb2.GenerateResponse]:
+    ) -> Iterator[GenerationOutput]:
         for reply in call:
             watch.progress()
             if not self.kv_landed:  # the prompt's KV is in the decode worker's cache now
                 self.kv_landed = True
-                if handle is None:  # this reply carries the first token
+                if kv is None:  # this reply carries the first token
                     self.stats.on_local_prefill(reply.compute_seconds, reply.num_cached_tokens)
                 else:
                     self.stats.on_first_decode(reply.kv_transfer_seconds, reply.compute_seconds)
                 if self.siblings is not None and self.leader:
                     self.siblings.landed(address)
-            elif handle is None and self.stats.first_decode_at is None and reply.token_ids:
+            elif kv is None and self.stats.first_decode_at is None and reply.token_ids:
                 self.stats.on_local_first_decode()  # the local path's second token
             delta = text.add(list(reply.token_ids))
             if delta.stopped:
                 call.cancel()  # the decode worker frees the request's blocks now
-                yield final_response(delta, text, "stop", reply.logprobs, self.stats)
+                yield final_output(delta, text, "stop", reply.logprobs, self.stats)
                 return
             if reply.finish_reason:
-                yield final_response(delta, text, reply.finish_reason, reply.logprobs, self.stats)
-                drain(call)  # read the OK status rather than cancel a finished call
+                yield final_output(delta, text, reply.finish_reason, reply.logprobs, self.stats)
+                call.drain()  # read the OK status rather than cancel a finished call
                 return
             if delta.token_ids:
-                yield delta_response(delta, reply.logprobs, self.stats)
+                yield delta_output(delta, reply.logprobs, self.stats)
         raise RuntimeError("decode worker ended its stream without a finish_reason")
 
     def _release_kv(self, request_id: str, source: str) -> None:

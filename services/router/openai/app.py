@@ -37,12 +37,12 @@ from starlette.types import Receive, Scope, Send
 
 from services.common import request_id
 from services.common.errors import ShuttingDownError, UnauthenticatedError
-from services.common.pb import generate_pb2
 from services.config.roles import RouterConfig
 from services.engine.errors import InvalidRequestError
 from services.router.api_key import bearer_matches
 from services.router.flow.cancel import CancelScope
 from services.router.flow.generate import GenerateFlow
+from services.router.flow.messages import GenerationRequest
 from services.router.flow.request_stats import count_error
 from services.router.flow.siblings import Siblings
 from services.router.openai import bodies
@@ -199,14 +199,14 @@ class OpenAIApp:
             self._active.discard(end)
 
     def _renderers(
-        self, parsed: oai.OpenAIRequest, requests: list[generate_pb2.GenerateRequest]
+        self, parsed: oai.OpenAIRequest, requests: list[GenerationRequest]
     ) -> list[ChoiceRenderer]:
         tokenizer = self.flow.model.tokenizer
         out = []
         for index, request in enumerate(requests):
             echo = ""
             if parsed.echo:
-                ids = list(request.token_ids.ids)
+                ids = list(request.token_ids or ())
                 echo = request.text or (tokenizer.decode(ids) if tokenizer and ids else "")
             out.append(ChoiceRenderer(parsed, self.model_name, index, tokenizer, echo))
         return out
@@ -214,7 +214,7 @@ class OpenAIApp:
     def _flows(
         self,
         parsed: oai.OpenAIRequest,
-        requests: list[generate_pb2.GenerateRequest],
+        requests: list[GenerationRequest],
         scopes: list[CancelScope],
         received: float,
     ) -> list[Any]:

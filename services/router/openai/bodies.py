@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from services.common.pb import common_pb2, generate_pb2
+from services.engine.outputs import TokenLogprobs
+from services.router.flow.messages import Usage
 from services.router.openai.protocol import OpenAIRequest
 
 
-def usage_body(usages: Sequence[generate_pb2.Usage], n: int = 1) -> dict:
+def usage_body(usages: Sequence[Usage], n: int = 1) -> dict:
     """OpenAI's usage of a request whose choices had `usages` (n per prompt, in choice order):
     each prompt counted once, every choice's completion tokens."""
     prompts = usages[::n]
@@ -40,7 +41,7 @@ TokenText = Callable[[int], str]
 
 def logprobs_body(
     req: OpenAIRequest,
-    entries: Sequence[common_pb2.TokenLogprob],
+    entries: Sequence[TokenLogprobs],
     token_text: TokenText,
     text_offsets: Sequence[int] = (),
 ) -> dict | None:
@@ -54,7 +55,7 @@ def logprobs_body(
             "content": [
                 {
                     **_chat_token(token_text(e.token_id), e.logprob),
-                    "top_logprobs": [_chat_token(token_text(t.token_id), t.logprob) for t in e.top],
+                    "top_logprobs": [_chat_token(token_text(t), lp) for t, lp in e.top],
                 }
                 for e in entries
             ]
@@ -62,7 +63,7 @@ def logprobs_body(
     return {
         "tokens": [token_text(e.token_id) for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token_text(t.token_id): t.logprob for t in e.top} for e in entries],
+        "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries],
         "text_offset": list(text_offsets),
     }
 
@@ -87,7 +88,7 @@ def choice_body(
 
 
 def response_body(
-    req: OpenAIRequest, model: str, choices: list[dict], usages: Sequence[generate_pb2.Usage]
+    req: OpenAIRequest, model: str, choices: list[dict], usages: Sequence[Usage]
 ) -> dict:
     """The non-streaming reply: `choices` from `choice_body`, in index order."""
     usage = usage_body(usages, req.n)
@@ -125,7 +126,7 @@ def chunk_body(
     return {**_envelope(req, model, chunk=True), "choices": [choice]}
 
 
-def usage_chunk_body(req: OpenAIRequest, model: str, usages: Sequence[generate_pb2.Usage]) -> dict:
+def usage_chunk_body(req: OpenAIRequest, model: str, usages: Sequence[Usage]) -> dict:
     """The extra last chunk sent when stream_options.include_usage is set (choices empty)."""
     usage = usage_body(usages, req.n)
     return {**_envelope(req, model, chunk=True), "choices": [], "usage": usage}

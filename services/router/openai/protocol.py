@@ -17,21 +17,22 @@ as OpenAI-compatible servers do. Defaults are the engine's (max_tokens 16, tempe
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.pb import generate_pb2
 from services.engine.errors import InvalidRequestError
+from services.engine.sampling_params import INT32_MAX, UINT64_MAX
+from services.router.flow.messages import ChatMessage, GenerationRequest
 from services.router.flow.prompt import CHAT_ROLES, MAX_MESSAGES
 from services.router.openai.sampling import (
-    INT32_MAX,
-    UINT64_MAX,
     checked_text,
     is_int,
     optional,
     sampling_from_body,
+    stop_strings,
 )
 
 MAX_PROMPTS = 256  # prompts in one completions request
@@ -40,9 +41,9 @@ _NO_OP = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """A parsed request: one Generate request per prompt, and how to shape the reply."""
+    """A parsed request: the flow's request of each prompt, and how to shape the reply."""
 
-    prompts: tuple[generate_pb2.GenerateRequest, ...]
+    prompts: tuple[GenerationRequest, ...]
     chat: bool
     stream: bool
     include_usage: bool
@@ -61,18 +62,17 @@ class OpenAIRequest:
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
 
-    def choice_requests(self) -> list[generate_pb2.GenerateRequest]:
-        """The Generate request of every choice, in choice-index order (p * n + i); choice i
+    def choice_requests(self) -> list[GenerationRequest]:
+        """The flow's request of every choice, in choice-index order (p * n + i); choice i
         of a seeded request samples with seed + i."""
         out = []
         for p, prompt in enumerate(self.prompts):
             for i in range(self.n):
-                request = generate_pb2.GenerateRequest()
-                request.CopyFrom(prompt)
-                request.request_id = f"{self.request_id}-{p * self.n + i}"
-                if i and prompt.sampling.HasField("seed"):
-                    request.sampling.seed = (prompt.sampling.seed + i) % (UINT64_MAX + 1)
-                out.append(request)
+                sampling, seed = prompt.sampling, prompt.sampling.seed
+                if i and seed is not None:
+                    sampling = dataclasses.replace(sampling, seed=(seed + i) % (UINT64_MAX + 1))
+                request_id = f"{self.request_id}-{p * self.n + i}"
+                out.append(dataclasses.replace(prompt, sampling=sampling, request_id=request_id))
         return out
 
 
@@ -114,11 +114,11 @@ def _is_token_ids(value: Any) -> bool:
     )
 
 
-def _set_prompt(request: generate_pb2.GenerateRequest, prompt: str | list[int], field: str) -> None:
+def _prompt_fields(prompt: str | list[int], field: str) -> dict[str, Any]:
+    """The GenerationRequest fields of one completions prompt."""
     if isinstance(prompt, str):
-        request.text = checked_text(prompt, field)
-    else:
-        request.token_ids.ids.extend(prompt)
+        return {"text": checked_text(prompt, field)}
+    return {"token_ids": tuple(prompt)}
 
 
 def _message_content(message: Any, i: int) -> str:
@@ -163,18 +163,20 @@ def _include_usage(options: Any, stream: bool) -> bool:
     return bool(value)
 
 
-def _set_messages(request: generate_pb2.GenerateRequest, messages: Any) -> None:
+def _chat(messages: Any) -> tuple[ChatMessage, ...]:
     if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
         raise InvalidRequestError(
             "messages", f"must be a non-empty list of at most {MAX_MESSAGES} messages"
         )
-    for i, message in enumerate(messages):
-        content = _message_content(message, i)
-        request.chat.messages.add(role=message["role"], content=content)
+    return tuple(
+        ChatMessage(message["role"], _message_content(message, i))
+        for i, message in enumerate(messages)
+    )
 
 
 def parse_request(body: Any, chat: bool, max_n: int = 16) -> OpenAIRequest:
-    """Builds the Generate requests; InvalidRequestError names the offending field."""
+    """Builds the flow's requests; InvalidRequestError (or ValueError) names the offending
+    field."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", "must be a JSON object")
     n = optional(body, "n", "int", 1, max_n)
@@ -186,25 +188,22 @@ def parse_request(body: Any, chat: bool, max_n: int = 16) -> OpenAIRequest:
     stream = bool(optional(body, "stream", "bool"))
     include_usage = _include_usage(body.get("stream_options"), stream)
     sampling = sampling_from_body(body, chat)
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise InvalidRequestError("cache_salt", "must be a non-empty string")
-    if salt is not None:
-        checked_text(salt, "cache_salt")
-    template = generate_pb2.GenerateRequest(sampling=sampling, cache_salt=salt or "")
-    prompts = []
+    stop, salt = stop_strings(body), body.get("cache_salt")
+    salt = None if salt is None else checked_text(salt, "cache_salt")
+
+    def request(**prompt: Any) -> GenerationRequest:
+        return GenerationRequest(**prompt, sampling=sampling, stop=stop, cache_salt=salt)
+
     if chat:
-        prompts.append(template)
-        _set_messages(template, body.get("messages"))
+        prompts = [request(chat=_chat(body.get("messages")))]
     else:
         items = _prompts(body.get("prompt"))
-        for p, item in enumerate(items):
-            request = generate_pb2.GenerateRequest()
-            request.CopyFrom(template)
-            _set_prompt(request, item, "prompt" if len(items) == 1 else f"prompt[{p}]")
-            prompts.append(request)
+        where = ["prompt"] if len(items) == 1 else [f"prompt[{p}]" for p in range(len(items))]
+        prompts = [
+            request(**_prompt_fields(item, field)) for item, field in zip(items, where, strict=True)
+        ]
     echo = bool(optional(body, "echo", "bool"))
-    if echo and sampling.HasField("logprobs"):
+    if echo and sampling.logprobs is not None:
         raise InvalidRequestError("echo", "with logprobs is not supported (no prompt logprobs)")
     return OpenAIRequest(
         tuple(prompts),
@@ -213,6 +212,6 @@ def parse_request(body: Any, chat: bool, max_n: int = 16) -> OpenAIRequest:
         include_usage=include_usage,
         n=n,
         echo=echo,
-        logprobs=sampling.HasField("logprobs"),
+        logprobs=sampling.logprobs is not None,
         model=model,
     )

@@ -1,4 +1,5 @@
-"""One choice's Generate messages rendered as OpenAI JSON: SSE chunks, or a whole choice.
+"""One choice's flow outputs (`GenerationOutput`) rendered as OpenAI JSON: SSE chunks, or a
+whole choice.
 
 Runs on the choice's flow thread (`router/openai/threads.py`), not the event loop: log-probabilities
 need the tokenizer (each token's text, and where it starts in the completion), and the
@@ -9,12 +10,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from services.common.convert import timings_to_dict
 from services.common.errors import ShuttingDownError
-from services.common.pb import generate_pb2
 from services.engine.tokenizer import Tokenizer
+from services.router.flow.messages import GenerationOutput, Usage
 from services.router.openai import bodies
 from services.router.openai import protocol as oai
 from services.router.openai.errors import http_error
@@ -31,7 +31,7 @@ def sse_event(body: dict | str) -> bytes:
 class ChoiceEnd:
     """The last item of a streamed choice: its usage (for the usage chunk)."""
 
-    usage: generate_pb2.Usage
+    usage: Usage
 
 
 @dataclass
@@ -58,11 +58,10 @@ class ChoiceRenderer:
             for i in range(first, len(token_ids))
         ]
 
-    def complete(
-        self, messages: list[generate_pb2.GenerateResponse]
-    ) -> tuple[dict, generate_pb2.Usage]:
+    def complete(self, messages: list[GenerationOutput]) -> tuple[dict, Usage]:
         """The whole choice (non-streaming) and its usage."""
         last = messages[-1]
+        assert last.finish_reason and last.usage and last.timings  # the last output's
         text = "".join(m.text for m in messages)
         entries = [lp for m in messages for lp in m.logprobs]
         offsets = self.text_offsets([lp.token_id for lp in entries], 0, len(text))
@@ -70,23 +69,19 @@ class ChoiceRenderer:
         choice = bodies.choice_body(
             self.req, self.index, self.echo_text + text, last.finish_reason, logprobs
         )
-        choice["timings"] = timings_to_dict(last.timings)  # pdserve's: where the time went
+        choice["timings"] = asdict(last.timings)  # pdserve's: where the time went
         return choice, last.usage
 
-    def whole(
-        self, messages: Iterator[generate_pb2.GenerateResponse]
-    ) -> Iterator[tuple[dict, generate_pb2.Usage]]:
+    def whole(self, messages: Iterator[GenerationOutput]) -> Iterator[tuple[dict, Usage]]:
         """`complete` of all of `messages`, as the one item of a flow thread's iterator."""
         yield self.complete(list(messages))
 
-    def chunks(
-        self, messages: Iterator[generate_pb2.GenerateResponse]
-    ) -> Iterator[bytes | ChoiceEnd]:
+    def chunks(self, messages: Iterator[GenerationOutput]) -> Iterator[bytes | ChoiceEnd]:
         """SSE events of the choice, then its `ChoiceEnd`; reads `messages` to their end."""
         token_ids: list[int] = []  # every token streamed so far, for logprobs' text offsets
         text_len, first = 0, True
         for message in messages:
-            finish = message.finish_reason or None
+            finish = message.finish_reason
             first_new = len(token_ids)
             token_ids += [lp.token_id for lp in message.logprobs]
             text_len += len(message.text)
@@ -101,11 +96,11 @@ class ChoiceRenderer:
                 body = bodies.chunk_body(
                     self.req, self.model_name, self.index, text, finish, first, logprobs
                 )
-                if finish:  # pdserve's: where the choice's time went
-                    body["choices"][0]["timings"] = timings_to_dict(message.timings)
+                if message.timings is not None:  # the last chunk: where the choice's time went
+                    body["choices"][0]["timings"] = asdict(message.timings)
                 yield sse_event(body)
                 first = False
-            if finish:
+            if message.usage is not None:
                 yield ChoiceEnd(message.usage)
 
 
@@ -121,7 +116,7 @@ async def sse_body(
     asked for, `[DONE]`. An error after the 200 is reported in-band, then `[DONE]`. `on_end`
     runs however the stream ends (client gone included); `stopping()` says the router is shutting
     down, so an error is reported as that."""
-    usages: dict[int, generate_pb2.Usage] = {}
+    usages: dict[int, Usage] = {}
     try:
         async for index, item in _chain(head, events):
             if isinstance(item, ChoiceEnd):

@@ -1,6 +1,7 @@
-"""The sampling fields of an OpenAI-compatible request, checked by type and turned into the
-worker protocol's `SamplingParams` (value ranges are checked again, with the same field names,
-by `services.engine.SamplingParams`).
+"""The sampling fields of an OpenAI-compatible request as the engine's `SamplingParams`, which
+checks every value (`services/engine/sampling_params.py`, the one place); here only OpenAI's
+shapes: which JSON field feeds which parameter, logit_bias's string keys, stop as a string or a
+list, and the error renamed to the field the client sent.
 
 Fields: max_tokens (chat: max_completion_tokens wins over it, as OpenAI documents), temperature,
 top_p, top_k (extension, as vLLM), seed, stop, ignore_eos (extension), presence_penalty,
@@ -13,14 +14,21 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from services.common.pb import common_pb2
 from services.engine.errors import InvalidRequestError
+from services.engine.sampling_params import INT32_MAX, SamplingParams
 
-INT32_MAX = 2**31 - 1
-UINT64_MAX = 2**64 - 1
-MAX_LOGPROBS = 20
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only (int() also takes " 5" and "٥")
-MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI's own limit is 300; ids beyond the vocab are refused later
+# Sampling fields whose JSON name is the parameter's own.
+_SAME_NAME = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 def is_int(value: Any) -> bool:
@@ -44,14 +52,13 @@ def checked_text(value: Any, field: str) -> str:
 def optional(
     body: dict, name: str, kind: str, low: int = -INT32_MAX - 1, high: int = INT32_MAX
 ) -> Any:
-    """body[name] checked to be `kind` ("int", "number" or "bool"); None when absent or null."""
+    """body[name] checked to be `kind` ("int" in [low, high], or "bool"); None when absent or
+    null. For the request's own fields (n, stream, echo, ...), not the sampling values."""
     value = body.get(name)
     if value is None:
         return None
     if kind == "bool" and not isinstance(value, bool):
         raise InvalidRequestError(name, f"must be true or false, got {value!r:.40}")
-    if kind == "number" and not (is_int(value) or isinstance(value, float)):
-        raise InvalidRequestError(name, f"must be a number, got {value!r:.40}")
     if kind == "int" and not is_int(value):
         raise InvalidRequestError(name, f"must be an integer, got {value!r:.40}")
     if kind == "int" and not low <= value <= high:
@@ -59,79 +66,62 @@ def optional(
     return value
 
 
-def _stop_strings(body: dict) -> list[str]:
+def stop_strings(body: dict) -> tuple[str, ...]:
+    """`stop`: a string or a list of strings (their values are checked with the request)."""
     stop = body.get("stop")
     if stop is None:
-        return []
+        return ()
     if isinstance(stop, str):
-        return [checked_text(stop, "stop")]
+        return (checked_text(stop, "stop"),)
     if isinstance(stop, list):
-        return [checked_text(s, f"stop[{i}]") for i, s in enumerate(stop)]
+        return tuple(checked_text(s, f"stop[{i}]") for i, s in enumerate(stop))
     raise InvalidRequestError("stop", "must be a string or a list of strings")
 
 
-def _logit_bias(body: dict) -> dict[int, float]:
-    """OpenAI's {"token id": bias in [-100, 100]} (JSON keys are strings)."""
-    bias = body.get("logit_bias")
-    if bias is None:
-        return {}
-    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise InvalidRequestError(
-            "logit_bias", f"must be an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids"
-        )
+def _logit_bias(bias: Any) -> dict[int, Any]:
+    """OpenAI's {"token id": bias} (JSON keys are strings) keyed by int."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias", "must be an object mapping token ids to biases")
     out = {}
     for key, value in bias.items():
         if not _TOKEN_ID.fullmatch(key):
             raise InvalidRequestError("logit_bias", f"key {key!r:.40} is not a token id")
-        token_id = int(key)
-        if not 0 <= token_id <= INT32_MAX:
-            raise InvalidRequestError("logit_bias", f"token id {token_id} is out of range")
-        if not (is_int(value) or isinstance(value, float)):
-            raise InvalidRequestError(f"logit_bias.{key}", f"must be a number, got {value!r:.40}")
-        out[token_id] = float(value)
+        out[int(key)] = value
     return out
 
 
-def _max_tokens(body: dict, chat: bool) -> int | None:
-    """OpenAI's precedence: max_completion_tokens (chat) over the older max_tokens."""
-    max_tokens = optional(body, "max_tokens", "int", 1)
+def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
+    """The sampling fields as `SamplingParams` (absent or null ones keep the engine's defaults);
+    InvalidRequestError naming the field as the client sent it."""
+    fields = {name: body[name] for name in _SAME_NAME if body.get(name) is not None}
+    sent_as = {}  # parameter -> the JSON field that gave it, where the two names differ
+    max_tokens = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:  # OpenAI's precedence
+        max_tokens = sent_as["max_tokens"] = "max_completion_tokens"
+    if body.get(max_tokens) is not None:
+        fields["max_tokens"] = body[max_tokens]
+    if body.get("logit_bias") is not None:
+        fields["logit_bias"] = _logit_bias(body["logit_bias"])
     if chat:
-        newer = optional(body, "max_completion_tokens", "int", 1)
-        return newer if newer is not None else max_tokens
-    return max_tokens
+        sent_as["logprobs"] = "top_logprobs"
+    logprobs = _logprobs_asked(body, chat)
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        field, _, message = str(exc).partition(": ")
+        raise InvalidRequestError(sent_as.get(field, field), message) from None
 
 
-def sampling_from_body(body: dict, chat: bool) -> common_pb2.SamplingParams:
-    """The sampling fields as a proto (unset fields keep the engine's defaults)."""
-    ignore_eos = bool(optional(body, "ignore_eos", "bool"))
-    msg = common_pb2.SamplingParams(stop=_stop_strings(body), ignore_eos=ignore_eos)
-    for name, value in (
-        ("max_tokens", _max_tokens(body, chat)),
-        ("temperature", optional(body, "temperature", "number")),
-        ("top_p", optional(body, "top_p", "number")),
-        ("top_k", optional(body, "top_k", "int")),
-        ("seed", optional(body, "seed", "int", 0, UINT64_MAX)),
-        ("presence_penalty", optional(body, "presence_penalty", "number")),
-        ("frequency_penalty", optional(body, "frequency_penalty", "number")),
-        ("repetition_penalty", optional(body, "repetition_penalty", "number")),
-    ):
-        if value is not None:
-            setattr(msg, name, value)
-    for token_id, bias in _logit_bias(body).items():
-        msg.logit_bias[token_id] = bias
-    num_logprobs = _logprobs_asked(body, chat)
-    if num_logprobs is not None:
-        msg.logprobs = num_logprobs
-    return msg
-
-
-def _logprobs_asked(body: dict, chat: bool) -> int | None:
-    """Top alternatives per token, or None when log-probabilities are not asked for."""
+def _logprobs_asked(body: dict, chat: bool) -> Any:
+    """Top alternatives per token (checked as SamplingParams.logprobs), or None when
+    log-probabilities are not asked for."""
     if not chat:
-        return optional(body, "logprobs", "int", 0, MAX_LOGPROBS)
-    top = optional(body, "top_logprobs", "int", 0, MAX_LOGPROBS)
+        return body.get("logprobs")
+    top = body.get("top_logprobs")
     if not optional(body, "logprobs", "bool"):
         if top is not None:
             raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
         return None
-    return top or 0
+    return 0 if top is None else top

@@ -21,6 +21,7 @@ from tests.router.fakes import (
     KV_TRANSFER_SECONDS,
     PROMPT,
     _completion_ids,
+    _flow_request,
     _metric,
     _request,
     _script,
@@ -31,7 +32,7 @@ from tests.router.fakes import (
 def test_flow_without_workers_is_unavailable(model_info):
     flow = GenerateFlow(model_info, WorkerPool([], []), request_timeout=5, disaggregation="always")
     with pytest.raises(ServiceUnavailableError):
-        list(flow.generate(_request(), flow.deadline_for(None)))
+        list(flow.generate(_flow_request(), flow.deadline_for(None)))
 
 
 def test_generate_streams_text_usage_and_timings(cluster, stub, tokenizer):
@@ -163,7 +164,7 @@ def test_client_without_deadline_gets_the_request_timeout(cluster, model_info, t
     assert flow.deadline_for(3.0) - time.monotonic() == pytest.approx(3.0, abs=0.1)
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
-        list(flow.generate(_request(max_tokens=500), flow.deadline_for(no_deadline)))
+        list(flow.generate(_flow_request(max_tokens=500), flow.deadline_for(no_deadline)))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - start < 5
     assert decode.cancelled.wait(CANCEL_WAIT_S)
 
@@ -219,7 +220,7 @@ def test_cancel_before_decode_releases_the_prefill_kv(cluster, model_info, token
     _script(cluster, ids)
     router, prefill, decode = cluster
     scope = CancelScope()
-    responses = router.flow.generate(_request(), router.flow.deadline_for(None), scope)
+    responses = router.flow.generate(_flow_request(), router.flow.deadline_for(None), scope)
     assert list(next(responses).token_ids) == ids[:1]
     scope.cancel()
     with pytest.raises(grpc.RpcError) as info:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.pb import common_pb2, generate_pb2
 from services.engine.errors import InvalidRequestError
+from services.engine.sampling_params import SamplingParams
+from services.router.flow.messages import ChatMessage, GenerationRequest
 from services.router.flow.prompt import ModelInfo, prepare_request
-from tests.router.fakes import PROMPT, _request
+from tests.router.fakes import PROMPT, _flow_request
 
 
 @pytest.mark.parametrize(
@@ -25,42 +26,28 @@ from tests.router.fakes import PROMPT, _request
 )
 def test_bad_sampling_names_the_field(model_info, sampling, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
-        prepare_request(_request(**sampling), model_info)
+        prepare_request(_flow_request(**sampling), model_info)
 
 
 def test_bad_prompts_name_the_field(model_info):
+    """Checked when the request is built (no prompt, two prompts) or prepared (the rest)."""
     cases = [
-        (generate_pb2.GenerateRequest(), "prompt"),
-        (generate_pb2.GenerateRequest(text=""), "prompt"),
-        (generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[])), "prompt"),
-        (
-            generate_pb2.GenerateRequest(
-                token_ids=generate_pb2.TokenIds(ids=[5, model_info.vocab_size])
-            ),
-            "prompt_token_ids",
-        ),
-        (
-            generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[-1])),
-            "prompt_token_ids",
-        ),
-        (generate_pb2.GenerateRequest(chat=generate_pb2.ChatMessages()), "prompt"),
-        (
-            generate_pb2.GenerateRequest(
-                chat=generate_pb2.ChatMessages(messages=[{"role": "robot", "content": "x"}])
-            ),
-            r"chat\.messages\[0\]\.role",
-        ),
+        ({}, "prompt"),
+        ({"text": "a", "token_ids": (1,)}, "prompt"),
+        ({"text": ""}, "prompt"),
+        ({"token_ids": ()}, "prompt"),
+        ({"token_ids": (5, model_info.vocab_size)}, "prompt_token_ids"),
+        ({"token_ids": (-1,)}, "prompt_token_ids"),
+        ({"chat": ()}, "prompt"),
+        ({"chat": (ChatMessage("robot", "x"),)}, r"chat\.messages\[0\]\.role"),
     ]
-    for request, field in cases:
+    for fields, field in cases:
         with pytest.raises(InvalidRequestError, match=f"^{field}:"):
-            prepare_request(request, model_info)
+            prepare_request(GenerationRequest(**fields), model_info)
 
 
-def _ids_request(ids: list[int], max_tokens: int) -> generate_pb2.GenerateRequest:
-    return generate_pb2.GenerateRequest(
-        token_ids=generate_pb2.TokenIds(ids=ids),
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
-    )
+def _ids_request(ids: list[int], max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(token_ids=tuple(ids), sampling=SamplingParams(max_tokens=max_tokens))
 
 
 def test_prompt_at_max_model_len_is_refused(model_info):
@@ -84,11 +71,10 @@ def test_a_text_far_too_long_is_refused_without_tokenizing(model_info, monkeypat
     """15 MB of text cannot be under max_model_len tokens: refused in constant time."""
     assert model_info.tokenizer is not None
     monkeypatch.setattr(model_info.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized"))
-    request = generate_pb2.GenerateRequest(text="x" * 15_000_000)
+    request = GenerationRequest(text="x" * 15_000_000)
     with pytest.raises(InvalidRequestError, match="^prompt: 15000000 characters are at least"):
         prepare_request(request, model_info)
-    chat = generate_pb2.GenerateRequest()
-    chat.chat.messages.add(role="user", content="y" * 15_000_000)
+    chat = GenerationRequest(chat=(ChatMessage("user", "y" * 15_000_000),))
     with pytest.raises(InvalidRequestError, match="^messages: "):
         prepare_request(chat, model_info)
 
@@ -97,11 +83,11 @@ def test_text_and_chat_tokenize_like_the_tokenizer(model_info):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_info.path)
-    prepared = prepare_request(_request(max_tokens=3), model_info)
+    prepared = prepare_request(_flow_request(max_tokens=3), model_info)
     assert prepared.prompt_token_ids == tok.encode(PROMPT, add_special_tokens=False)
     assert prepared.params.max_tokens == 3 and prepared.request_id
     messages = [{"role": "user", "content": "hi"}]
-    chat = generate_pb2.GenerateRequest(chat=generate_pb2.ChatMessages(messages=messages))
+    chat = GenerationRequest(chat=tuple(ChatMessage(**m) for m in messages))
     expected = tok.encode(
         tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
         add_special_tokens=False,
