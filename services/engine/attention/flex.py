@@ -28,6 +28,18 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=True)
 
 
+# The forward kernel's tiles on CUDA. Inductor's default for bf16 on sm_90 (128 x 128 tiles,
+# 3 stages) asked for 368 KiB of shared memory with our GQA layout on an H200 (limit 227 KiB:
+# "No valid triton configs ... out of resource"); 64 x 64 tiles in 2 stages fit every head
+# size we serve. `fwd_` keeps them off the decoding kernel, which picks its own.
+CUDA_KERNEL_OPTIONS = {
+    "fwd_BLOCK_M": 64,
+    "fwd_BLOCK_N": 64,
+    "fwd_num_stages": 2,
+    "fwd_num_warps": 4,
+}
+
+
 class FlexAttentionBackend(AttentionBackend):
     """FlexAttention (torch >= 2.5) with a paged mask; see the module docstring."""
 
@@ -46,10 +58,15 @@ class FlexAttentionBackend(AttentionBackend):
         q = query.transpose(0, 1).unsqueeze(0)  # [1, num_heads, num_tokens, head_dim]
         k = k_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)  # [1, kv_heads, S, D]
         v = v_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-        attend = _compiled_flex_attention() if self.compiled else flex_attention
         with warnings.catch_warnings():  # the eager CPU path warns that it is not compiled
             warnings.simplefilter("ignore", UserWarning)
-            out = attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+            if self.compiled:
+                out = _compiled_flex_attention()(
+                    q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True,
+                    kernel_options=CUDA_KERNEL_OPTIONS,
+                )  # fmt: skip
+            else:
+                out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
 
     def _block_mask(self, meta: AttentionMetadata, num_tokens: int, num_slots: int):
