@@ -4,9 +4,8 @@ receiver takes, and the class that carries the blocks.
 Every data path runs behind the same gRPC control plane (handshake, leases, release:
 `services/kv_transfer/control/`). The source side picks its sender (`make_sender`) and says what
 it serves (`offered`); the destination picks one path per source (`choose`) from what the
-handshake offered, and `receiver_class` loads that path's class only when it is chosen (vLLM's
-KVConnectorFactory registers its connectors the same way, by module path, so an unused backend's
-module is never imported). Nothing else decides a backend.
+handshake offered, and `control/paths.py` sets the chosen one up. Nothing else decides a
+backend.
 
 - grpc: the blocks stream as PullKV messages (any two hosts; the fallback of every other path);
 - shared_memory: copied in place out of the source's cache, mapped from its `/dev/shm` segment
@@ -18,7 +17,6 @@ module is never imported). Nothing else decides a backend.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,22 +27,10 @@ KV_TRANSFER_BACKENDS = ("auto", "grpc", "shared_memory", "cuda_ipc", "torch_dist
 host, CUDA IPC between GPU workers on one GPU or peer GPUs, torch.distributed between other GPU
 workers of one node, gRPC otherwise."""
 
-DATA_PATHS: dict[str, str] = {
-    "grpc": "services.kv_transfer.grpc.receiver:GrpcPath",
-    "shared_memory": "services.kv_transfer.shared_memory.receiver:SharedMemoryPath",
-    "cuda_ipc": "services.kv_transfer.cuda_ipc.receiver:CudaIpcPath",
-    "torch_dist": "services.kv_transfer.torch_dist.receiver:TorchDistPath",
-}
-"""Backend name -> "module:class" of its receiver side (a `DataPath`), imported on first use."""
+DATA_PATHS = ("grpc", "shared_memory", "cuda_ipc", "torch_dist")
+"""The data paths, each a `DataPath` in its own package (`services/kv_transfer/NAME/`)."""
 
 _AUTO_ORDER = ("shared_memory", "cuda_ipc", "torch_dist")
-
-
-def receiver_class(name: str) -> type:
-    """The data-path class of backend `name` (imported now). Raises KeyError for an unknown
-    name."""
-    module, _, cls = DATA_PATHS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
 
 
 def make_sender(backend: str, device: str, lease_s: float) -> KVSender:
