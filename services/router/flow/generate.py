@@ -63,14 +63,10 @@ class GenerateFlow:
     ) -> None:
         if not request_timeout > 0:
             raise ValueError(f"request_timeout: must be > 0 seconds, got {request_timeout!r}")
-        self.disaggregation = disaggregation
-        self.max_local_prefill_tokens = max_local_prefill_tokens
-        self.model = model
-        self.pool = pool
+        routing = routing if routing is not None else Routing(pool, "round_robin")
+        migration = migration if migration is not None else MigrationConfig()
         self.request_timeout = request_timeout
-        self.routing = routing if routing is not None else Routing(pool, "round_robin")
-        self.migration = migration if migration is not None else MigrationConfig()
-        self.watchdog = StallWatchdog(pool.is_unhealthy, self.migration.stream_stall_timeout)
+        self.watchdog = StallWatchdog(pool.is_unhealthy, migration.stream_stall_timeout)
         self.stopping = threading.Event()  # set on shutdown: new requests get UNAVAILABLE
         self._active: set[CancelScope] = set()  # scopes of the requests in flight
         self._lock = threading.Lock()
@@ -81,12 +77,29 @@ class GenerateFlow:
         self.context = FlowContext(
             model,
             pool,
-            self.routing,
+            routing,
             self.watchdog,
-            self.migration,
+            migration,
             disaggregation,
             max_local_prefill_tokens,
         )
+        """The model, pool, routing and policies each request's run uses (held once, here)."""
+
+    @property
+    def model(self) -> ModelInfo:
+        return self.context.model
+
+    @property
+    def pool(self) -> WorkerPool:
+        return self.context.pool
+
+    @property
+    def routing(self) -> Routing:
+        return self.context.routing
+
+    @property
+    def migration(self) -> MigrationConfig:
+        return self.context.migration
 
     def start(self) -> None:
         """Starts the progress watchdog (the pool's health checks drive its verdicts)."""
