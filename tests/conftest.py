@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -118,3 +119,19 @@ def redis_server():
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def restore_logging():
+    """What `logs.configure` (or a `cli.main` call) changes on the root logger, put back
+    afterwards: handlers it added are closed and removed, the earlier ones and level restored."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield root
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            handler.close()
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import queue
 import re
@@ -70,22 +69,14 @@ while True:
 
 
 @pytest.fixture(autouse=True)
-def no_log_setup_left_over(monkeypatch):
+def no_log_setup_left_over(monkeypatch, restore_logging):
     """The supervisor prints its own messages unless a log set-up of this process filters them
     (`logs.lets_through`): start each test with none left by an earlier test in this
-    interpreter (a `cli.main` call configures logging), and put back whatever was there."""
+    interpreter (a `cli.main` call configures logging); `restore_logging` puts it back."""
     monkeypatch.delenv("PDSERVE_LOGGING_LEVEL", raising=False)
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    for handler in handlers:
+    for handler in list(restore_logging.handlers):
         if handler.get_name() == "pdserve":
-            root.removeHandler(handler)
-    yield
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    for handler in handlers:
-        root.addHandler(handler)
-    root.setLevel(level)
+            restore_logging.removeHandler(handler)
 
 
 DRIVER = """
@@ -235,24 +226,10 @@ def test_serve_fails_when_a_worker_dies_at_start(fake_service, capsys):
 def test_serve_log_file_gets_every_childs_lines_whole(fake_service, tmp_path, capsys, monkeypatch):
     """`pdserve serve --log-file`: the supervisor, the one writer, appends what it relays (and
     its own messages) to the file as whole lines, the same lines as on its stderr."""
-    monkeypatch.delenv("PDSERVE_LOGGING_LEVEL", raising=False)
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
     path = tmp_path / "serve.log"
-    try:
-        logs.configure("text", "serve", log_file=str(path))
-        spec = _spec(
-            fake_service, {"prefill-0": "chatty", "decode-0": "chatty-die"}, stop_timeout=5
-        )
-        assert supervisor.Supervisor(spec).run() == 1
-    finally:
-        for handler in list(root.handlers):
-            if handler not in handlers:
-                handler.close()
-            root.removeHandler(handler)
-        for handler in handlers:
-            root.addHandler(handler)
-        root.setLevel(level)
+    logs.configure("text", "serve", log_file=str(path))  # undone by the autouse fixture
+    spec = _spec(fake_service, {"prefill-0": "chatty", "decode-0": "chatty-die"}, stop_timeout=5)
+    assert supervisor.Supervisor(spec).run() == 1
     err = capsys.readouterr().err
     assert path.read_text() == err
     # (The error message's stderr tail quotes a few, indented.)

@@ -43,45 +43,21 @@ def test_bind_stream_binds_each_step_on_whichever_thread_resumes_it():
     pool.shutdown()
 
 
-def test_json_logs_carry_the_bound_id_and_the_role(capsys):
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        logs.configure("json", "decode")
-        with request_id.bound("rid-json"):
-            logging.getLogger("pdserve.test").warning("pulled %d blocks", 3)
-        logging.getLogger("pdserve.test").warning("no request")
-        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
-        assert lines[0]["message"] == "pulled 3 blocks" and lines[0]["request_id"] == "rid-json"
-        assert lines[0]["role"] == "decode" and lines[0]["level"] == "WARNING"
-        assert lines[1]["request_id"] == "-"
-        logs.configure("text", "router")
-        with request_id.bound("rid-text"):
-            logging.getLogger("pdserve.test").warning("hello")
-        assert "[router] pdserve.test request_id=rid-text: hello" in capsys.readouterr().err
-        with pytest.raises(ValueError, match="^log_format"):
-            logs.configure("xml", "router")
-    finally:
-        for handler in list(root.handlers):
-            root.removeHandler(handler)
-        for handler in handlers:
-            root.addHandler(handler)
-        root.setLevel(level)
-
-
-@pytest.fixture
-def restore_logging():
-    """What `logs.configure` changes on the root logger, put back afterwards."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            handler.close()
-        root.removeHandler(handler)
-    for handler in handlers:
-        root.addHandler(handler)
-    root.setLevel(level)
+def test_json_logs_carry_the_bound_id_and_the_role(capsys, restore_logging):
+    logs.configure("json", "decode")
+    with request_id.bound("rid-json"):
+        logging.getLogger("pdserve.test").warning("pulled %d blocks", 3)
+    logging.getLogger("pdserve.test").warning("no request")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert lines[0]["message"] == "pulled 3 blocks" and lines[0]["request_id"] == "rid-json"
+    assert lines[0]["role"] == "decode" and lines[0]["level"] == "WARNING"
+    assert lines[1]["request_id"] == "-"
+    logs.configure("text", "router")
+    with request_id.bound("rid-text"):
+        logging.getLogger("pdserve.test").warning("hello")
+    assert "[router] pdserve.test request_id=rid-text: hello" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^log_format"):
+        logs.configure("xml", "router")
 
 
 def test_the_level_comes_from_pdserve_logging_level(capsys, monkeypatch, restore_logging):
