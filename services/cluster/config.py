@@ -1,6 +1,6 @@
 """`pdserve serve`'s config: a router and pools of prefill and decode workers on one machine,
 and the config each child gets from it (`prefill_config(i)`, `decode_config(i)`,
-`router_config(...)`). The role configs themselves are in `config.py`."""
+`router_config(...)`). The role configs themselves are in `services/config/roles.py`."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""One frozen, validated config per service role and their JSON hand-off to child processes."""
+"""A frozen, validated config per service role (`roles.py`) and their JSON hand-off."""

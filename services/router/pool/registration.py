@@ -6,7 +6,7 @@ Workers reach the table two ways: `Admin.RegisterWorker` (a worker started with
 the registry deployment's members: `services/ray_serve/router.py`, which drops one the registry no
 longer lists at once). A member that stops renewing lapses after the router's
 `registration_ttl` and leaves the pool; health checks take a dead
-worker out of routing long before that (`workers.py`).
+worker out of routing long before that (`worker_pool.py`).
 """
 
 from __future__ import annotations
