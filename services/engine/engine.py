@@ -237,6 +237,11 @@ class Engine:
         request that ended meanwhile."""
         self.remote.written(request_id, self.requests.get(request_id), ok)
 
+    def kv_write_claimed(self, request_id: str) -> bool:
+        """DECODE role: a caller claimed the request's writes (`take_reserved(claim_writes=True)`)
+        and has not called `kv_written` yet."""
+        return self.remote.is_claimed(request_id)
+
     def _end_remote(self, request: Request, status: RequestStatus) -> RequestOutput:
         self.remote.end(request, status)
         self.requests.pop(request.request_id, None)

@@ -43,6 +43,10 @@ class RemoteKV:
                 self._writing.add(request.request_id)
         return reserved
 
+    def is_claimed(self, request_id: str) -> bool:
+        """Whether a caller claimed `request_id`'s writes and has not reported back."""
+        return request_id in self._writing
+
     def written(self, request_id: str, request: Request | None, ok: bool) -> None:
         """The caller that claimed `request_id`'s writes is done; `ok`: all of it landed."""
         self._writing.discard(request_id)

@@ -42,9 +42,6 @@ class EngineLoop:
         self._calls: queue.Queue[tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._streams: dict[str, queue.Queue[RequestOutput | KVReserved | BaseException]] = {}
         self._hooks: list[Callable[[], None]] = []
-        self._claims: set[str] = (
-            set()
-        )  # KVReserved delivered, their receiver's kv_written not yet run
         self._stopped = False
         self.max_step_tokens_per_request = 0
         self._last_counts = dict.fromkeys(
@@ -157,8 +154,8 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> bool:
         self._streams.pop(request_id, None)
-        if request_id in self._claims:  # reserved, but its receiver left before writing
-            self._kv_written(request_id, ok=False)
+        if self.engine.kv_write_claimed(request_id):  # its receiver left before writing
+            self.engine.kv_written(request_id, ok=False)
         if request_id not in self.engine.requests and request_id not in self.engine.pinned:
             return False
         self.engine.abort(request_id)
@@ -181,18 +178,13 @@ class EngineLoop:
         ):  # the RPC thread writes the KV
             stream = self._streams.get(reserved.request_id)
             if stream is not None:
-                self._claims.add(reserved.request_id)
                 stream.put(reserved)
             else:  # its RPC already ended: nobody will write
                 self.engine.kv_written(reserved.request_id, ok=False)
 
     def kv_written(self, request_id: str, ok: bool) -> None:
         """The receiver of a `KVReserved` is done writing (`ok`: all of it); does not wait."""
-        self.post(lambda: self._kv_written(request_id, ok))
-
-    def _kv_written(self, request_id: str, ok: bool) -> None:
-        self._claims.discard(request_id)
-        self.engine.kv_written(request_id, ok)
+        self.post(lambda: self.engine.kv_written(request_id, ok))
 
     def _run_calls(self, block: bool) -> None:
         """Run every queued call; when `block`, first wait up to POLL_SECONDS for one."""
