@@ -38,7 +38,7 @@ if os.environ.get("PDSERVE_CHAOS_FULL") == "1":
     NUM_REQUESTS = 120
     FAULTS = ["decode-0", "prefill-1", "redis", "decode-1", "prefill-0", "redis", "decode-0"]
 else:
-    NUM_REQUESTS = 48
+    NUM_REQUESTS = 36
     FAULTS = ["decode-0", "prefill-1", "redis"]
 WORKERS = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
 KV_BYTES = str(64 << 20)

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from services.common.pb import common_pb2, generate_pb2
 from services.engine import LLM, SamplingParams
-from tests.e2e.cluster import generate, generation_stub, scrape, start, worker_info
+from tests.e2e.cluster import generate, generation_stub, scrape, start, start_all, worker_info
 from tests.engine.helpers import make_engine, run_to_completion
 from tests.reference import assert_equivalent, hf_greedy
 
@@ -27,8 +27,9 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def pool():
-    prefill = start("prefill", "--port", "0")
-    decode = start("decode", "--port", "0", "--num-blocks", str(DECODE_BLOCKS))
+    prefill, decode = start_all(
+        ["prefill", "--port", "0"], ["decode", "--port", "0", "--num-blocks", str(DECODE_BLOCKS)]
+    )
     router = start(
         "router",
         "--disaggregation",

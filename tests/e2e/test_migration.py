@@ -2,7 +2,7 @@
 mid-stream, its stream continued on the other decode worker (`services/router/flow/migration.py`).
 
 One prefill worker, two decode workers on fixed ports (a killed one is started again at its
-address for the next test), a router with a 2 s stall timeout; SmolLM2, 300-token streams
+address for the next test), a router with a 2 s stall timeout; SmolLM2, 96-token streams
 compared with the transformers reference by the equivalence rule.
 """
 
@@ -27,8 +27,8 @@ def tokenizer(default_model):
     return AutoTokenizer.from_pretrained(default_model)
 
 
-NUM_TOKENS = 160  # the SIGKILL streams
-SHORT = 160  # the stop-string and SIGSTOP streams
+NUM_TOKENS = 96  # the SIGKILL streams
+SHORT = 96  # the stop-string and SIGSTOP streams
 STALL_TIMEOUT_S = 2.0
 KV_BYTES = str(96 << 20)
 
@@ -178,7 +178,7 @@ def test_sigkilled_decode_worker_seeded_stream_is_the_same(cluster, real_text_id
 def test_stop_string_straddling_the_migration_is_caught(cluster, tokenizer, real_text_ids):
     prompt = real_text_ids[1300:1350]
     whole, _, _, _, _ = _stream(cluster, _request(prompt, SHORT))
-    fault_at = 120
+    fault_at = 60
     # A stop string from a few tokens before the fault to well after it: wherever the router
     # was when the worker died (a few tokens past what the client had), it straddles.
     stop = tokenizer.decode(whole[fault_at - 3 : fault_at + 25])

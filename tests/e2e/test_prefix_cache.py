@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from services.common.pb import common_pb2, generate_pb2
-from tests.e2e.cluster import generation_stub, scrape, start, worker_info
+from tests.e2e.cluster import generation_stub, scrape, start, start_all, worker_info
 from tests.reference import assert_equivalent, hf_greedy
 
 pytestmark = pytest.mark.e2e
@@ -27,8 +27,7 @@ METRICS = (
 
 @pytest.fixture(scope="module")
 def cluster():
-    prefill = start("prefill", "--port", "0")
-    decode = start("decode", "--port", "0")
+    prefill, decode = start_all(["prefill", "--port", "0"], ["decode", "--port", "0"])
     router = start(
         "router",
         "--disaggregation",

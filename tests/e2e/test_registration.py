@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from services.common.pb import common_pb2, generate_pb2, worker_pb2, worker_pb2_grpc
-from tests.e2e.cluster import generate, generation_stub, start
+from tests.e2e.cluster import generate, generation_stub, start, start_all
 from tests.reference import assert_equivalent, hf_greedy
 
 pytestmark = pytest.mark.e2e
@@ -48,8 +48,10 @@ def test_workers_that_register_join_serve_leave_and_lapse(default_model, real_te
     procs = [router]
     try:
         assert _workers(admin) == []
-        prefill = start("prefill", "--port", "0", "--register-with", address)
-        decode = start("decode", "--port", "0", "--register-with", address)
+        prefill, decode = start_all(
+            ["prefill", "--port", "0", "--register-with", address],
+            ["decode", "--port", "0", "--register-with", address],
+        )
         procs += [prefill, decode]
         expected = [
             ("decode", decode.ready["grpc"], True),

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from services.common.pb import common_pb2, generate_pb2, worker_pb2, worker_pb2_grpc
-from tests.e2e.cluster import generation_stub, start, worker_info
+from tests.e2e.cluster import generation_stub, start, start_all, worker_info
 
 pytestmark = pytest.mark.e2e
 
@@ -23,23 +23,13 @@ BLOCK = 16
 
 def _start_cluster(redis_url: str):
     # Chunks of 512 tokens: a long prefill spans several steps, so GetInfo sees it running.
-    prefill = [
-        start(
-            "prefill",
-            "--port",
-            "0",
-            "--redis-url",
-            redis_url,
-            "--index-ttl",
-            "3",
-            "--drain-timeout",
-            "20",
-            "--max-num-batched-tokens",
-            "512",
-        )
-        for _ in range(2)
-    ]
-    decode = start("decode", "--port", "0", "--drain-timeout", "20")
+    prefill_args = [
+        "prefill", "--port", "0", "--redis-url", redis_url, "--index-ttl", "3",
+        "--drain-timeout", "20", "--max-num-batched-tokens", "512",
+    ]  # fmt: skip
+    *prefill, decode = start_all(
+        prefill_args, prefill_args, ["decode", "--port", "0", "--drain-timeout", "20"]
+    )
     router = start(
         "router",
         "--disaggregation",

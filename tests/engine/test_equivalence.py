@@ -79,7 +79,7 @@ def test_default_model_chunked_prefill(default_model, real_text_ids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("length", [1024, 2048, 4096, 8160])
+@pytest.mark.parametrize("length", [1024, 8160])  # several chunks; the context's edge
 def test_default_model_long_prompts(default_model, real_text_ids, length):
     """Prompt lengths that are multiples of block_size, up to the model's 8,192-token context."""
     engine = make_engine(default_model, kv_cache_memory_bytes=1 << 30)
