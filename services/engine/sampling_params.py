@@ -28,8 +28,9 @@ UINT64_MAX = 2**64 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-def _is_int(value: object, low: int = -INT32_MAX - 1, high: int = INT32_MAX) -> bool:
-    """An integer (not a bool) in [low, high] (default: an int32)."""
+def is_int(value: object, low: float = -INT32_MAX - 1, high: float = INT32_MAX) -> bool:
+    """An integer (not a bool) in [low, high] (default: an int32; math.inf for no bound). The
+    one integer check of the API's values, the HTTP API's included."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
@@ -99,7 +100,7 @@ class SamplingParams:
     bias) pairs; stored as pairs sorted by token id, so the params stay frozen and hashable."""
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens, 1):
+        if not is_int(self.max_tokens, 1):
             raise ValueError(
                 f"max_tokens: must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r:.40}"
             )
@@ -109,21 +110,21 @@ class SamplingParams:
             )
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r:.40}")
-        if not _is_int(self.top_k, -1):
+        if not is_int(self.top_k, -1):
             raise ValueError(
                 f"top_k: must be an integer in [-1, {INT32_MAX}] (0 and -1 disable it), "
                 f"got {self.top_k!r:.40}"
             )
-        if self.seed is not None and not _is_int(self.seed, 0, UINT64_MAX):
+        if self.seed is not None and not is_int(self.seed, 0, UINT64_MAX):
             raise ValueError(f"seed: must be an integer in [0, 2**64), got {self.seed!r:.40}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be true or false, got {self.ignore_eos!r:.40}")
-        if self.logprobs is not None and not _is_int(self.logprobs, 0, MAX_LOGPROBS):
+        if self.logprobs is not None and not is_int(self.logprobs, 0, MAX_LOGPROBS):
             raise ValueError(
                 f"logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r:.40}"
             )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not all(_is_int(t, 0) for t in self.stop_token_ids):
+        if not all(is_int(t, 0) for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids: must be integers in [0, {INT32_MAX}], "
                 f"got {self.stop_token_ids!r:.80}"
@@ -171,7 +172,7 @@ def _frozen_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
             f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} token ids, got {len(pairs)}"
         )
     for token_id, bias in pairs:
-        if not _is_int(token_id, 0):
+        if not is_int(token_id, 0):
             raise ValueError(
                 f"logit_bias: token ids must be non-negative integers below 2**31, "
                 f"got {token_id!r:.40}"

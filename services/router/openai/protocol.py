@@ -24,12 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.engine.errors import InvalidRequestError
-from services.engine.sampling_params import INT32_MAX, UINT64_MAX
+from services.engine.sampling_params import UINT64_MAX, is_int
 from services.router.flow.messages import ChatMessage, GenerationRequest
 from services.router.flow.prompt import CHAT_ROLES, MAX_MESSAGES
 from services.router.openai.sampling import (
     checked_text,
-    is_int,
     optional,
     sampling_from_body,
     stop_strings,
@@ -107,11 +106,7 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def _is_token_ids(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(is_int(t) and -INT32_MAX - 1 <= t <= INT32_MAX for t in value)
-    )
+    return isinstance(value, list) and bool(value) and all(is_int(t) for t in value)
 
 
 def _prompt_fields(prompt: str | list[int], field: str) -> dict[str, Any]:

@@ -11,11 +11,12 @@ logprobs (completions: 0..20 alternatives; chat: a bool with top_logprobs 0..20)
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 from services.engine.errors import InvalidRequestError
-from services.engine.sampling_params import INT32_MAX, SamplingParams
+from services.engine.sampling_params import INT32_MAX, SamplingParams, is_int
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only (int() also takes " 5" and "٥")
 # Sampling fields whose JSON name is the parameter's own.
@@ -29,10 +30,6 @@ _SAME_NAME = (
     "frequency_penalty",
     "repetition_penalty",
 )
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def checked_text(value: Any, field: str) -> str:
@@ -59,7 +56,7 @@ def optional(
         return None
     if kind == "bool" and not isinstance(value, bool):
         raise InvalidRequestError(name, f"must be true or false, got {value!r:.40}")
-    if kind == "int" and not is_int(value):
+    if kind == "int" and not is_int(value, -math.inf, math.inf):
         raise InvalidRequestError(name, f"must be an integer, got {value!r:.40}")
     if kind == "int" and not low <= value <= high:
         raise InvalidRequestError(name, f"must be an integer in [{low}, {high}], got {value}")
