@@ -10,6 +10,7 @@ head_dim]. Token position `p` of a request lives in block `block_table[p // bloc
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -80,12 +81,12 @@ class KVCache:
         allocate: Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor] | None = None,
     ) -> None:
         """`allocate(shape, dtype, device)` makes the zero-filled K/V tensor (default
-        `torch.zeros`; a shared-memory KV sender puts it in a segment decode workers map)."""
+        `zeroed_kv`; a shared-memory KV sender puts it in a segment decode workers map)."""
         self.spec = spec
         self.num_blocks = num_blocks
         self.model_id = model_id
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv = (allocate or _zeros)(shape, spec.dtype, device)
+        self.kv = (allocate or zeroed_kv)(shape, spec.dtype, device)
         self.pool = BlockPool(num_blocks, shuffle=shuffle, seed=seed, record_events=record_events)
 
     @property
@@ -231,8 +232,16 @@ class KVCache:
             offset += n
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype, device=device)
+def zeroed_kv(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A zero-filled tensor of `shape`. On the CPU its memory is an anonymous mapping, whose
+    pages the kernel zero-fills as the cache first touches them: a 1 GiB cache costs no start-up
+    time and no resident memory until it is used (as the shared-memory segment's pages). On
+    other devices `torch.zeros`."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buffer = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:

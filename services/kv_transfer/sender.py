@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from services.engine.errors import KVTransferError, RequestNotFoundError
+from services.engine.kv_cache import zeroed_kv
 from services.kv_transfer.base import KVSource
 from services.kv_transfer.handle import KVHandle
 from services.kv_transfer.lease import DEFAULT_LEASE_S, LeaseTable, TransferStatus
@@ -45,7 +46,7 @@ class KVSender:
         """The zero-filled K/V tensor of source engine `engine_id`'s cache (`KVCache`'s
         allocator): plain memory here; a backend whose receivers read the cache in place
         (shared memory) puts it where they can map it."""
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return zeroed_kv(shape, dtype, device)
 
     def register_source(self, engine_id: str, source: KVSource) -> None:
         """Make `source`'s handles pullable under `engine_id`."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 
 from services.engine.block_pool import BlockPool
 from services.engine.errors import ResourceExhaustedError
-from services.engine.kv_cache import KVCache, KVCacheSpec, slot_mapping
+from services.engine.kv_cache import KVCache, KVCacheSpec, slot_mapping, zeroed_kv
 from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
@@ -30,6 +32,20 @@ def test_allocate_free_and_integrity():
     pool.check_integrity()
     with pytest.raises(AssertionError, match="double free"):
         pool.free(a[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_cache_memory_is_zero_writable_and_outlives_its_mapping_name(dtype):
+    """zeroed_kv's anonymous mapping: zeros, of the asked shape and dtype, writable; the tensor
+    keeps the mapping alive (no name of it left but the tensor's)."""
+    kv = zeroed_kv((2, 2, 8, 16, 3, 4), dtype, "cpu")
+    gc.collect()
+    assert (kv.shape, kv.dtype) == ((2, 2, 8, 16, 3, 4), dtype)
+    assert not kv.any()
+    kv[1, 0, 7, 15] = 2.5
+    kv[0, 1, 0, 0, 0, 0] = -1.0
+    assert float(kv.sum()) == 2.5 * 12 - 1.0
+    assert not zeroed_kv((0, 4), dtype, "cpu").numel()
 
 
 def test_shuffled_free_list_is_seeded_and_not_sequential():
