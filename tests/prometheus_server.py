@@ -1,5 +1,6 @@
 """A real Prometheus for tests: Debian's `prometheus` binary on a free loopback port, run with a
-copy of the shipped deploy/prometheus/ (its prometheus.yml and alerts.yml unchanged) so that the
+copy of the shipped deploy/prometheus/ (its alerts.yml unchanged; its prometheus.yml too but for
+the scrape, evaluation and file discovery intervals when a test asks for shorter ones) so that the
 targets a test's cluster writes land in the copy's targets/ folder."""
 
 from __future__ import annotations
@@ -25,13 +26,24 @@ def _free_port() -> int:
 class PrometheusServer:
     """`start()`, `query(expr)`, `alerts()`, `stop()`; `targets_dir` is where file_sd looks."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, interval: str | None = None) -> None:
+        """`interval`: scrape, rule evaluation and targets-file refresh every `interval` (a
+        Prometheus duration such as "1s") instead of the shipped 5 s, so that a test waits for
+        fewer rounds; the rules, queries and discovery are the shipped ones."""
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError("no prometheus binary: scripts/test.sh installs Debian's package")
         self.binary = binary
         self.config_dir = workdir / "prometheus"
         shutil.copytree(SHIPPED, self.config_dir)
+        if interval is not None:
+            config = self.config_dir / "prometheus.yml"
+            text = config.read_text()
+            keys = ("scrape_interval", "evaluation_interval", "refresh_interval")
+            for key in keys:
+                assert text.count(f"{key}: 5s") == 1, f"shipped prometheus.yml: {key} moved"
+                text = text.replace(f"{key}: 5s", f"{key}: {interval}")
+            config.write_text(text)
         self.targets_dir = self.config_dir / "targets"
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"

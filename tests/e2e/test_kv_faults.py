@@ -262,11 +262,11 @@ def stalled_cluster(request, default_model):
     decode --kv-transfer-timeout[, --kv-transfer-backend of every worker])."""
     num_prefill, kv_timeout, *backend = request.param
     flags = ["--kv-transfer-backend", backend[0]] if backend else []
-    prefill = start_all(
+    *prefill, decode = start_all(
         ["prefill", "--debug-kv-stall-seconds", "30", *flags],
         *[["prefill", *flags]] * (num_prefill - 1),
+        ["decode", "--kv-transfer-timeout", str(kv_timeout), *flags],
     )
-    (decode,) = start_all(["decode", "--kv-transfer-timeout", str(kv_timeout), *flags])
     router = start(
         "router",
         "--disaggregation",

@@ -40,6 +40,9 @@ def _start_cluster(redis_url: str):
         redis_url,
         "--index-ttl",
         "3",
+        # A request finding no prefill worker left waits this long for one (default 30 s).
+        "--migration-wait",
+        "3",
         *[arg for p in prefill for arg in ("--prefill", p.ready["grpc"])],
         "--decode",
         decode.ready["grpc"],
@@ -158,31 +161,25 @@ def _healthy(router, address: str) -> float:
     return float(match.group(1)) if match else -1.0
 
 
-def test_sigkill_stops_routing_within_5s_and_sigterm_drains(redis_server, real_text_ids):
-    """Its own cluster, since every worker goes away here."""
-    cluster = _start_cluster(redis_server.url)
-    try:
-        # SIGKILL one prefill worker: the router stops routing to it within 5 s.
-        victim, survivor = cluster.prefill
-        assert _healthy(cluster.router, victim.ready["grpc"]) == 1.0
-        victim.process.kill()
-        assert _wait(lambda: _healthy(cluster.router, victim.ready["grpc"]) == 0.0, 5) < 5
-        assert _generate(cluster.stub, real_text_ids[:40])[2] == "length"  # served by the survivor
-        # SIGTERM the survivor during a long prefill, then the decode worker during that
-        # request's decode: both finish what they had (the answer is whole) and exit 0.
-        with ThreadPoolExecutor(1) as pool:
-            stream = pool.submit(_generate, cluster.stub, real_text_ids[100:1600], 60)
-            _wait(lambda: worker_info(survivor.ready["grpc"], "prefill").num_running == 1, 60)
-            survivor.process.send_signal(signal.SIGTERM)
-            _wait(lambda: worker_info(cluster.decode.ready["grpc"], "decode").num_running == 1, 60)
-            cluster.decode.process.send_signal(signal.SIGTERM)
-            with pytest.raises(grpc.RpcError) as refused:  # no prefill worker takes new work now
-                _generate(cluster.stub, real_text_ids[:40])
-            tokens, _, finish = stream.result(timeout=120)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
-        assert (len(tokens), finish) == (60, "length")
-        assert (
-            survivor.process.wait(timeout=60) == 0 and cluster.decode.process.wait(timeout=60) == 0
-        )
-    finally:
-        _stop(cluster)
+def test_sigkill_stops_routing_within_5s_and_sigterm_drains(cluster, real_text_ids):
+    """Last in this file: every worker of the module's cluster goes away here."""
+    # SIGKILL one prefill worker: the router stops routing to it within 5 s.
+    victim, survivor = cluster.prefill
+    assert _healthy(cluster.router, victim.ready["grpc"]) == 1.0
+    victim.process.kill()
+    assert _wait(lambda: _healthy(cluster.router, victim.ready["grpc"]) == 0.0, 5) < 5
+    assert _generate(cluster.stub, real_text_ids[:40])[2] == "length"  # served by the survivor
+    # SIGTERM the survivor during a long prefill, then the decode worker during that
+    # request's decode: both finish what they had (the answer is whole) and exit 0.
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_generate, cluster.stub, real_text_ids[100:1600], 60)
+        _wait(lambda: worker_info(survivor.ready["grpc"], "prefill").num_running == 1, 60)
+        survivor.process.send_signal(signal.SIGTERM)
+        _wait(lambda: worker_info(cluster.decode.ready["grpc"], "decode").num_running == 1, 60)
+        cluster.decode.process.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as refused:  # no prefill worker takes new work now
+            _generate(cluster.stub, real_text_ids[:40])
+        tokens, _, finish = stream.result(timeout=120)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+    assert (len(tokens), finish) == (60, "length")
+    assert survivor.process.wait(timeout=60) == 0 and cluster.decode.process.wait(timeout=60) == 0

@@ -108,3 +108,15 @@ def test_prefill_joins_running_decodes(tiny_model):
     assert mixed_steps == 1
     assert_equivalent(outs["first"], hf_greedy(tiny_model, first, 24), "first")
     assert_equivalent(outs["late"], hf_greedy(tiny_model, late, 16), "late")
+
+
+def test_the_reference_answers_a_shorter_ask_for_a_known_prompt_as_a_fresh_run_would(tiny_llama):
+    """tests/reference.py remembers each greedy reference; a later, shorter ask for the same
+    prompt gets the remembered prefix, equal to what a fresh run (processors bypass the memory)
+    computes."""
+    prompt = [5, 6, 7, 8, 9]
+    longer = hf_greedy(tiny_llama, prompt, 6)
+    remembered = hf_greedy(tiny_llama, prompt, 3)
+    fresh = hf_greedy(tiny_llama, prompt, 3, processors=lambda ids, logits: logits)
+    assert remembered.token_ids == fresh.token_ids == longer.token_ids[:3]
+    assert remembered.top2_gaps == fresh.top2_gaps
