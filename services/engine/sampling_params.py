@@ -127,7 +127,7 @@ class SamplingParams:
         if not all(is_int(t, 0) for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids: must be integers in [0, {INT32_MAX}], "
-                f"got {self.stop_token_ids!r:.80}"
+                f"got {list(self.stop_token_ids)!r:.80}"
             )
         self._check_penalties()
         object.__setattr__(self, "logit_bias", _frozen_logit_bias(self.logit_bias))

@@ -48,6 +48,7 @@ class _DeadlineProtocol(HttpToolsProtocol):
     _receipt_deadline: TimerHandle | None = None
     _in_headers = True  # the parser has not seen the current request's headers end yet
     _header_bytes = 0  # bytes received since the current request began, while _in_headers
+    _header_tail = b""  # the last 3 of those bytes (the blank line may span two chunks)
     _lingering = False  # refused and half-closed: reading until the client closes (or LINGER_S)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -58,17 +59,22 @@ class _DeadlineProtocol(HttpToolsProtocol):
         if self._lingering:  # refused: what the client still sends is read and dropped
             return
         if self._in_headers:
-            self._header_bytes += len(data)
+            # Counted before parsing, up to the blank line that ends them: headers that arrive
+            # whole in one chunk are bounded too (the parser would have served them).
+            seen = self._header_tail + data
+            end = seen.find(b"\r\n\r\n")
+            self._header_bytes += len(data) if end < 0 else end + 4 - len(self._header_tail)
+            self._header_tail = seen[-3:]
+            if self._header_bytes > MAX_HEADER_BYTES:
+                if not self.transport.is_closing():  # headers this long are an attack
+                    self._refuse(
+                        431,
+                        "Request Header Fields Too Large",
+                        "headers",
+                        f"longer than {MAX_HEADER_BYTES} bytes",
+                    )
+                return
         super().data_received(data)
-        if self._in_headers and self._header_bytes > MAX_HEADER_BYTES:
-            if not self.transport.is_closing():  # headers this long are an attack, not a request
-                self._refuse(
-                    431,
-                    "Request Header Fields Too Large",
-                    "headers",
-                    f"longer than {MAX_HEADER_BYTES} bytes",
-                )
-        # (a chunk that also completed the headers counted its body bytes: harmless, bounded)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -81,6 +87,7 @@ class _DeadlineProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._disarm()
         self._in_headers, self._header_bytes = True, 0  # the next request's headers
+        self._header_tail = b""
         super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:

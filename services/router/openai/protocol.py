@@ -163,10 +163,12 @@ def _chat(messages: Any) -> tuple[ChatMessage, ...]:
         raise InvalidRequestError(
             "messages", f"must be a non-empty list of at most {MAX_MESSAGES} messages"
         )
-    return tuple(
-        ChatMessage(message["role"], _message_content(message, i))
-        for i, message in enumerate(messages)
-    )
+    return tuple(_message(message, i) for i, message in enumerate(messages))
+
+
+def _message(message: Any, i: int) -> ChatMessage:
+    content = _message_content(message, i)  # checks first: an object, with a known role
+    return ChatMessage(message["role"], content)
 
 
 def parse_request(body: Any, chat: bool, max_n: int = 16) -> OpenAIRequest:

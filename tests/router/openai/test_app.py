@@ -142,6 +142,12 @@ def test_http_chat_completion_uses_the_chat_template(cluster, model_info, tokeni
         ("/v1/completions", {"max_tokens": 4}, "prompt"),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
+        # Malformed messages: named, never a 500 (a new user's finding).
+        ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [5]}, "messages[0]"),
+        ("/v1/chat/completions", {"messages": ["hi"]}, "messages[0]"),
+        ("/v1/chat/completions", {"messages": [["user", "hi"]]}, "messages[0]"),
+        ("/v1/chat/completions", {"messages": [7], "stream": True}, "messages[0]"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
