@@ -1,0 +1,1 @@
+"""The step-time cost model: a step's predicted seconds from its shape, fitted on this machine."""

@@ -1,0 +1,100 @@
+"""A step's predicted time from its shape: one linear model per engine thread count.
+
+DistServe (Zhong et al., OSDI 2024, section 4.1) models a prefill batch as a + b*sum(l) +
+c*sum(l^2) over its prompt lengths l, and a decode step as linear in its batch size and total
+context. A step of a chunked, continuously batched engine mixes both, so one model covers every
+step here (seconds):
+
+    t = a + b * prefill_tokens + c * attention + d * context + e * num_decodes
+
+- prefill_tokens: the prefill chunks' tokens (their share of the weight matmuls).
+- attention: the sum over prefill chunks of l * (cached + l), the chunk's queries times the keys
+  they attend to (sum(l^2) for fresh prompts, as DistServe's term).
+- context: the sum over decode rows of their context length (the KV each one reads).
+- num_decodes: decode rows (one token each through the weights, sampling, per-row overhead).
+
+Decode rows and prefill tokens get separate terms, not one "tokens" term: in a decode-only step
+the two would be the same column, and profiles are mostly decode-only or prefill-only steps.
+
+Torch-free: the router and `pdserve plan` load a fitted model without the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("fixed", "prefill_tokens", "attention", "context", "num_decodes")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one engine step computes. `chunks`: (tokens computed, tokens already cached before
+    them) per prefill chunk; `decode_contexts`: each decode row's context length (tokens)."""
+
+    chunks: tuple[tuple[int, int], ...] = ()
+    decode_contexts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(n < 1 or cached < 0 for n, cached in self.chunks):
+            raise ValueError(f"chunks: need tokens >= 1 and cached >= 0, got {self.chunks}")
+        if any(c < 1 for c in self.decode_contexts):
+            raise ValueError(f"decode_contexts: need >= 1, got {self.decode_contexts}")
+        if not self.chunks and not self.decode_contexts:
+            raise ValueError("chunks: a step computes a prefill chunk or a decode row at least")
+
+    def features(self) -> tuple[float, ...]:
+        """The model's inputs in FEATURES order."""
+        prefill_tokens = sum(n for n, _ in self.chunks)
+        attention = sum(n * (cached + n) for n, cached in self.chunks)
+        return (
+            1.0,
+            prefill_tokens,
+            attention,
+            sum(self.decode_contexts),
+            len(self.decode_contexts),
+        )
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Fitted coefficients (seconds per unit of each feature, FEATURES order) for one thread
+    count."""
+
+    threads: int
+    coefficients: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {self.threads}")
+        if len(self.coefficients) != len(FEATURES):
+            raise ValueError(f"coefficients: need {len(FEATURES)}, got {len(self.coefficients)}")
+
+    def predict(self, shape: StepShape) -> float:
+        """Predicted seconds of a step of `shape` (never below 0)."""
+        return max(0.0, float(np.dot(self.coefficients, shape.features())))
+
+
+def fit(threads: int, shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepCost:
+    """Least squares of relative error over measured steps (each step weighted by 1 / its time,
+    so a 5 ms decode step counts as much as a 2 s prefill). ValueError naming `shapes` when
+    there are fewer steps than coefficients or the steps do not vary every feature that matters
+    (a rank-deficient design)."""
+    if len(shapes) != len(seconds):
+        raise ValueError(f"seconds: {len(seconds)} timings for {len(shapes)} shapes")
+    if any(not t > 0 for t in seconds):
+        raise ValueError("seconds: every timing must be > 0")
+    x = np.array([s.features() for s in shapes], dtype=np.float64)
+    y = np.array(seconds, dtype=np.float64)
+    used = x.any(axis=0)  # a feature no step exercised (say, no decode rows) is left at 0
+    if len(shapes) < int(used.sum()) or np.linalg.matrix_rank(x[:, used]) < int(used.sum()):
+        raise ValueError(
+            f"shapes: {len(shapes)} steps do not determine the {int(used.sum())} coefficients "
+            "they exercise (vary tokens, context and batch)"
+        )
+    solution, *_ = np.linalg.lstsq(x[:, used] / y[:, None], np.ones_like(y), rcond=None)
+    coefficients = np.zeros(len(FEATURES))
+    coefficients[used] = solution
+    return StepCost(threads, tuple(float(c) for c in coefficients))

@@ -1,0 +1,87 @@
+"""Fitted step costs on disk: one JSON file per machine, dtype and model, one entry per thread
+count, under `$PDSERVE_CACHE_DIR/cost_models/` (`pdserve profile` writes it, workers and the
+planner read it)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.cost_model.step_cost import FEATURES, StepCost
+from services.env import cache_dir
+
+FORMAT = 1
+
+
+def machine_id() -> str:
+    """This machine's CPU as the cost model knows it: the model name and a digest of the CPU
+    flags (a model fitted on an AVX-512 CPU says nothing of an AVX2-only one)."""
+    name, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name in ("", platform.machine()):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    digest = hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12]
+    return f"{name}|{digest}"
+
+
+@dataclass(frozen=True)
+class CostModelKey:
+    """What a fitted model is valid for: the device (`machine_id()` or a GPU's name), the
+    dtype's name ("float32", "bfloat16") and the model (its folder's name or id)."""
+
+    device: str
+    dtype: str
+    model: str
+
+    def path(self, root: Path | None = None) -> Path:
+        """The file of this key (its name a digest of the key; the key is inside too)."""
+        text = json.dumps([self.device, self.dtype, self.model])
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return (root or cache_dir() / "cost_models") / f"{digest}.json"
+
+
+def save(key: CostModelKey, costs: list[StepCost], root: Path | None = None) -> Path:
+    """Writes `costs` (one per thread count; an existing file's other thread counts are kept)
+    atomically; returns the path."""
+    merged = {c.threads: c for c in load(key, root)} | {c.threads: c for c in costs}
+    path = key.path(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {
+        "format": FORMAT,
+        "key": {"device": key.device, "dtype": key.dtype, "model": key.model},
+        "features": list(FEATURES),
+        "threads": {str(t): list(c.coefficients) for t, c in sorted(merged.items())},
+    }
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(body, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load(key: CostModelKey, root: Path | None = None) -> list[StepCost]:
+    """The saved step costs of `key`, by thread count ([] when there is no file). ValueError
+    naming `cost_model` for a file of another format, key or feature set."""
+    path = key.path(root)
+    if not path.exists():
+        return []
+    body = json.loads(path.read_text())
+    expected = {"device": key.device, "dtype": key.dtype, "model": key.model}
+    if body.get("format") != FORMAT or body.get("key") != expected:
+        raise ValueError(f"cost_model: {path} holds another format or key: {body.get('key')}")
+    if body.get("features") != list(FEATURES):
+        raise ValueError(f"cost_model: {path} was fitted on features {body.get('features')}")
+    return [StepCost(int(t), tuple(c)) for t, c in sorted(body["threads"].items(), key=_threads)]
+
+
+def _threads(item: tuple[str, list[float]]) -> int:
+    return int(item[0])

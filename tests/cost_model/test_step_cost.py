@@ -1,0 +1,78 @@
+"""The step cost model: features of a step's shape, a fit that recovers known coefficients."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.cost_model.step_cost import StepCost, StepShape, fit
+
+# Seconds per unit: a 135M-model-like CPU engine (2 ms fixed, 0.4 ms a token, attention and
+# context small, 0.1 ms a decode row).
+KNOWN = (2e-3, 4e-4, 2e-8, 3e-7, 1e-4)
+
+
+def _steps(rng: random.Random, n: int) -> list[StepShape]:
+    shapes = []
+    for _ in range(n):
+        chunks = tuple(
+            (rng.randint(1, 512), rng.choice([0, 0, rng.randint(1, 2048)]))
+            for _ in range(rng.choice([0, 0, 1, 2]))
+        )
+        decodes = tuple(rng.randint(1, 4096) for _ in range(rng.randint(0 if chunks else 1, 32)))
+        shapes.append(StepShape(chunks, decodes))
+    return shapes
+
+
+def test_features_of_a_mixed_step():
+    shape = StepShape(chunks=((100, 0), (50, 200)), decode_contexts=(10, 30))
+    assert shape.features() == (1.0, 150, 100 * 100 + 50 * 250, 40, 2)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.02])
+def test_the_fit_recovers_known_coefficients(noise):
+    rng = random.Random(7)
+    shapes = _steps(rng, 400)
+    truth = StepCost(2, KNOWN)
+    seconds = [truth.predict(s) * (1 + rng.uniform(-noise, noise)) for s in shapes]
+    fitted = fit(2, shapes, seconds)
+    for got, want in zip(fitted.coefficients, KNOWN, strict=True):
+        assert got == pytest.approx(want, rel=0.01 if noise == 0 else 0.15)
+    errors = sorted(abs(fitted.predict(s) - t) / t for s, t in zip(shapes, seconds, strict=True))
+    assert errors[len(errors) // 2] <= max(noise, 1e-9)  # median relative error within the noise
+
+
+def test_a_feature_no_step_exercised_stays_zero():
+    shapes = [StepShape(decode_contexts=tuple(range(1, b + 1))) for b in range(1, 40)]
+    seconds = [StepCost(1, KNOWN).predict(s) for s in shapes]
+    fitted = fit(1, shapes, seconds)
+    assert fitted.coefficients[2] == 0.0  # no prefill chunk: no attention term
+    assert fitted.predict(shapes[10]) == pytest.approx(seconds[10], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "seconds", "field"),
+    [
+        ([StepShape(decode_contexts=(5,))] * 3, [0.01] * 3, "shapes"),  # one shape, 3 terms
+        ([StepShape(decode_contexts=(5,))], [0.01, 0.02], "seconds"),
+        ([StepShape(decode_contexts=(5,))], [0.0], "seconds"),
+    ],
+)
+def test_a_fit_that_cannot_be_determined_names_the_field(shapes, seconds, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        fit(1, shapes, seconds)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({}, "chunks"),
+        ({"chunks": ((0, 0),)}, "chunks"),
+        ({"chunks": ((4, -1),)}, "chunks"),
+        ({"decode_contexts": (0,)}, "decode_contexts"),
+    ],
+)
+def test_a_bad_shape_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        StepShape(**kwargs)
