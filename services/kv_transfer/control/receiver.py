@@ -44,6 +44,8 @@ from services.kv_transfer.handshake import KVPeerInfo, check_compatible
 from services.kv_transfer.lease import DEFAULT_LEASE_S
 from services.kv_transfer.shared_memory.segment import sweep_dead_segments
 
+RESWEEP_S = 1.0  # seconds after a source was lost, a second sweep of dead segments
+
 logger = logging.getLogger(__name__)
 
 
@@ -219,6 +221,12 @@ class GrpcKVReceiver(KVReceiver):
             path.close()
         if any(path.name == "shared_memory" for path in paths):
             sweep_dead_segments()
+            # The source's connections close before its process is gone (a SIGKILLed process
+            # releases its memory, then its sockets, and only then turns zombie): sweep again
+            # once it has surely exited, or its segment stays until the next worker starts.
+            again = threading.Timer(RESWEEP_S, sweep_dead_segments)
+            again.daemon = True
+            again.start()
 
     def _address(self, handle: KVHandle) -> str:
         address = self._addresses.get(handle.request_id)
