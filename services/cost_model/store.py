@@ -20,18 +20,16 @@ FORMAT = 1
 def machine_id() -> str:
     """This machine's CPU as the cost model knows it: the model name and a digest of the CPU
     flags (a model fitted on an AVX-512 CPU says nothing of an AVX2-only one)."""
-    name, flags = platform.processor() or platform.machine(), ""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name in ("", platform.machine()):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())  # the first CPU's
     except OSError:
         pass
-    digest = hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12]
-    return f"{name}|{digest}"
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    flags = " ".join(sorted(fields.get("flags", "").split()))
+    return f"{name}|{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
 @dataclass(frozen=True)
@@ -80,8 +78,6 @@ def load(key: CostModelKey, root: Path | None = None) -> list[StepCost]:
         raise ValueError(f"cost_model: {path} holds another format or key: {body.get('key')}")
     if body.get("features") != list(FEATURES):
         raise ValueError(f"cost_model: {path} was fitted on features {body.get('features')}")
-    return [StepCost(int(t), tuple(c)) for t, c in sorted(body["threads"].items(), key=_threads)]
-
-
-def _threads(item: tuple[str, list[float]]) -> int:
-    return int(item[0])
+    return [
+        StepCost(t, tuple(c)) for t, c in sorted((int(t), c) for t, c in body["threads"].items())
+    ]
