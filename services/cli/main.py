@@ -14,6 +14,7 @@ import os
 import sys
 
 from services import env
+from services.cli import profile as profile_command
 from services.cli import run as run_command
 from services.cli.sampling import add_prompt_source, add_sampling
 from services.cluster.config import ClusterConfig
@@ -82,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
             help="also append the log lines to PATH (`serve`: its own and every child's, one "
             "whole line at a time)",
         )
+    profile_command.add_profile(
+        add("profile", help="fit the step cost model on this machine (or check it: --check)")
+    )
     _add_generate(add("generate", help="send one request to a router and stream the answer"))
     bench = add("bench", help="benchmarks against a running server").add_subparsers(
         dest="bench", required=True
@@ -191,7 +195,8 @@ def _service(args: argparse.Namespace) -> int:
         from services.worker.cpus import apply_cpu_placement
 
         # Before the server module imports torch: OpenMP sizes its pool from the affinity mask.
-        apply_cpu_placement(config.threads, config.cpus)
+        threads = apply_cpu_placement(config.threads, config.cpus)
+        config = dataclasses.replace(config, threads=threads)
     elif isinstance(config, RouterConfig):
         from services.worker.cpus import pin_cpus
 
@@ -227,6 +232,7 @@ def _reset_prefix_cache(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "run": run_command.run,
+    "profile": profile_command.profile,
     "serve": _serve,
     "prefill": _service,
     "decode": _service,

@@ -214,6 +214,9 @@ class WorkerConfig:
     """How prompt KV moves between workers: "auto" (shared memory between workers on one host,
     torch.distributed between GPU workers of one node, gRPC otherwise), or one of them forced.
     A prefill worker offers what it allows; a decode worker picks per prefill worker."""
+    step_log: str | None = None
+    """Append every engine step's shape, seconds and thread count to this JSON-lines file (the
+    cost model's live check: `pdserve profile --check FILE`)."""
 
     role: typing.ClassVar[EngineRole]
 
@@ -234,18 +237,16 @@ class WorkerConfig:
             "must be >= 0 seconds",
             self.drain_timeout,
         )
-        checks.check(
-            isinstance(self.register_with, tuple),
-            "register_with",
-            "must be a tuple of HOST:PORT",
-            self.register_with,
-        )
+        ok = isinstance(self.register_with, tuple)
+        checks.check(ok, "register_with", "must be a tuple of HOST:PORT", self.register_with)
         checks.check(
             self.kv_transfer_backend in KV_TRANSFER_BACKENDS,
             "kv_transfer_backend",
             f"must be one of {', '.join(KV_TRANSFER_BACKENDS)}",
             self.kv_transfer_backend,
         )
+        ok = self.step_log is None or isinstance(self.step_log, str) and bool(self.step_log)
+        checks.check(ok, "step_log", "must be a file path or None", self.step_log)
 
     def engine_config(self) -> EngineConfig:
         """The engine this worker runs: its `engine` in the worker's role."""

@@ -5,13 +5,19 @@ c*sum(l^2) over its prompt lengths l, and a decode step as linear in its batch s
 context. A step of a chunked, continuously batched engine mixes both, so one model covers every
 step here (seconds):
 
-    t = a + b * prefill_tokens + c * attention + d * context + e * num_decodes
+    t = a + b * prefill_tokens + c * attention + d * context + e * num_decodes + f * has_chunk
 
 - prefill_tokens: the prefill chunks' tokens (their share of the weight matmuls).
 - attention: the sum over prefill chunks of l * (cached + l), the chunk's queries times the keys
   they attend to (sum(l^2) for fresh prompts, as DistServe's term).
-- context: the sum over decode rows of their context length (the KV each one reads).
+- context: the sum over decode rows of their context length (the KV each one reads), divided by
+  the rows' parallelism min(num_decodes, threads): the paged decode-attention kernel splits its
+  work by rows, so one row's context is read by one thread however many the step has (a single
+  2,048-token row took twice as long per token of context as 16 rows did on 2 threads).
 - num_decodes: decode rows (one token each through the weights, sampling, per-row overhead).
+- has_chunk: 1 when the step runs a prefill chunk. A decode-only step is bound by reading the
+  weights once, a step with a chunk by its matmuls: with one intercept for both, a fit over
+  both kinds misses short decode steps by ~10% (measured on SmolLM2-135M, 2 threads).
 
 Decode rows and prefill tokens get separate terms, not one "tokens" term: in a decode-only step
 the two would be the same column, and profiles are mostly decode-only or prefill-only steps.
@@ -26,7 +32,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FEATURES = ("fixed", "prefill_tokens", "attention", "context", "num_decodes")
+FEATURES = (
+    "fixed",
+    "prefill_tokens",
+    "attention",
+    "context_per_thread",
+    "num_decodes",
+    "has_chunk",
+)
 
 
 @dataclass(frozen=True)
@@ -45,17 +58,13 @@ class StepShape:
         if not self.chunks and not self.decode_contexts:
             raise ValueError("chunks: a step computes a prefill chunk or a decode row at least")
 
-    def features(self) -> tuple[float, ...]:
-        """The model's inputs in FEATURES order."""
+    def features(self, threads: int = 1) -> tuple[float, ...]:
+        """The model's inputs in FEATURES order, for a step run on `threads` threads."""
         prefill_tokens = sum(n for n, _ in self.chunks)
         attention = sum(n * (cached + n) for n, cached in self.chunks)
-        return (
-            1.0,
-            prefill_tokens,
-            attention,
-            sum(self.decode_contexts),
-            len(self.decode_contexts),
-        )
+        rows = len(self.decode_contexts)
+        context = sum(self.decode_contexts) / min(rows, threads) if rows else 0.0
+        return (1.0, prefill_tokens, attention, context, rows, float(bool(self.chunks)))
 
 
 @dataclass(frozen=True)
@@ -74,7 +83,7 @@ class StepCost:
 
     def predict(self, shape: StepShape) -> float:
         """Predicted seconds of a step of `shape` (never below 0)."""
-        return max(0.0, float(np.dot(self.coefficients, shape.features())))
+        return max(0.0, float(np.dot(self.coefficients, shape.features(self.threads))))
 
 
 def fit(threads: int, shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepCost:
@@ -86,7 +95,7 @@ def fit(threads: int, shapes: Sequence[StepShape], seconds: Sequence[float]) -> 
         raise ValueError(f"seconds: {len(seconds)} timings for {len(shapes)} shapes")
     if any(not t > 0 for t in seconds):
         raise ValueError("seconds: every timing must be > 0")
-    x = np.array([s.features() for s in shapes], dtype=np.float64)
+    x = np.array([s.features(threads) for s in shapes], dtype=np.float64)
     y = np.array(seconds, dtype=np.float64)
     used = x.any(axis=0)  # a feature no step exercised (say, no decode rows) is left at 0
     if len(shapes) < int(used.sum()) or np.linalg.matrix_rank(x[:, used]) < int(used.sum()):

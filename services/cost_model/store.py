@@ -14,7 +14,7 @@ from pathlib import Path
 from services.cost_model.step_cost import FEATURES, StepCost
 from services.env import cache_dir
 
-FORMAT = 1
+FORMAT = 2  # 2: context per thread (step_cost.FEATURES)
 
 
 def machine_id() -> str:

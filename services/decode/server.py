@@ -215,7 +215,7 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
     if engine_config.device.startswith("cuda"):
         logger.info("KV transfer topology: %s", cuda_topology())
     engine = Engine(engine_config, kv_receiver=transfer)
-    loop = EngineLoop(engine, "decode")
+    loop = EngineLoop(engine, "decode", config.step_log, config.threads)
     decode = DecodeServicer(loop, transfer, config)
     admin = AdminServicer(loop, config)
     service = start_service(

@@ -13,6 +13,8 @@ import time
 import uuid
 from pathlib import Path
 
+import torch
+
 from services.engine.block_hash import BlockHash
 from services.engine.config import EngineConfig, EngineRole
 from services.engine.cuda_graphs import decode_graphs
@@ -294,6 +296,11 @@ class Engine:
         del self.requests[request.request_id]
         handle = self.export.hand_off(request)
         return request.output(request.output_token_ids[-1:], handle)
+
+    @staticmethod
+    def num_threads() -> int:
+        """The intra-op threads this process's steps run with (torch's, on the CPU)."""
+        return torch.get_num_threads()
 
     # -- prefix cache --------------------------------------------------------------------------
 

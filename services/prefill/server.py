@@ -100,7 +100,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     logger.info("KV transfer: --kv-transfer-backend %s, serving %s", backend, offered)
     if device.startswith("cuda"):
         logger.info("KV transfer topology: %s", cuda_topology())
-    loop = EngineLoop(engine, "prefill")
+    loop = EngineLoop(engine, "prefill", config.step_log, config.threads)
 
     def expire_leases() -> None:  # nobody renewed them: the decode worker (or router) is gone
         for request_id in sender.expire_leases():

@@ -45,7 +45,9 @@ class WorkerReplica:
         spec = app.prefill if self.ROLE == "prefill" else app.decode
         assert spec is not None, "no prefill deployment is built without a prefill_config"
         config = self._config(app, spec, name, registry)
-        apply_cpu_placement(config.threads, config.cpus)
+        config = dataclasses.replace(
+            config, threads=apply_cpu_placement(config.threads, config.cpus)
+        )
         self.worker: RunningWorker = self._start(config)
         self.drain_timeout = config.drain_timeout
         service = self.worker.service

@@ -44,23 +44,23 @@ def pin_cpus(cpus: str | None) -> list[int] | None:
     return cpu_ids
 
 
-def apply_cpu_placement(threads: int | None, cpus: str | None) -> list[int] | None:
-    """Pin this process to `cpus` and set torch's intra-op threads; returns the CPU ids or None.
+def apply_cpu_placement(threads: int | None, cpus: str | None) -> int:
+    """Pin this process to `cpus` and settle its engine's torch threads; returns that count.
 
     `threads` defaults to the number of CPUs given (one thread per pinned CPU avoids
-    oversubscription), else torch's own default is left alone. Call it before building the
-    engine. Raises ValueError naming --threads or --cpus; nothing is changed then.
+    oversubscription), else to every CPU this process may use. torch's process-wide default
+    becomes 1: only the engine thread runs multi-threaded (`EngineLoop` gives it the count;
+    `services/engine/threads.py` says why). Call it before building the engine. Raises
+    ValueError naming --threads or --cpus; nothing is changed then.
     """
     if threads is not None and threads < 1:
         raise ValueError(f"--threads: must be >= 1, got {threads}")
     cpu_ids = pin_cpus(cpus)
-    if cpu_ids is not None:
-        threads = threads or len(cpu_ids)
-    if threads is not None:
-        import torch  # after the affinity change: OpenMP reads it when torch starts
+    threads = threads or len(cpu_ids or os.sched_getaffinity(0))
+    import torch  # after the affinity change: OpenMP reads it when torch starts
 
-        torch.set_num_threads(threads)
-    return cpu_ids
+    torch.set_num_threads(1)
+    return threads
 
 
 def format_cpus(cpus: Sequence[int]) -> str:

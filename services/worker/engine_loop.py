@@ -13,15 +13,18 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
 from services.common import metrics
 from services.common.errors import ShuttingDownError
+from services.cost_model.step_log import StepLog, StepRecord
 from services.engine import Engine, SamplingParams
 from services.engine.outputs import KVReserved, RequestOutput
 from services.engine.scheduler import RECOMPUTE_CAUSES
+from services.engine.threads import set_thread_threads
 from services.kv_transfer.handle import KVHandle
 
 logger = logging.getLogger(__name__)
@@ -36,9 +39,16 @@ CALL_TIMEOUT_S = 60.0
 class EngineLoop:
     """Owns the engine thread; other threads reach the engine only through `call`."""
 
-    def __init__(self, engine: Engine, role: str) -> None:
+    def __init__(
+        self, engine: Engine, role: str, step_log: str | None = None, threads: int | None = None
+    ) -> None:
+        """`step_log`: a file every step's shape and seconds are appended to (`--step-log`).
+        `threads`: the engine thread's torch threads (None: torch's default). Raises OSError
+        when the step log cannot be opened."""
         self.engine = engine
         self.role = role
+        self.threads = threads
+        self.step_log = StepLog(step_log) if step_log else None
         self._calls: queue.Queue[tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._streams: dict[str, queue.Queue[RequestOutput | KVReserved | BaseException]] = {}
         self._hooks: list[Callable[[], None]] = []
@@ -64,6 +74,8 @@ class EngineLoop:
         self._stopped = True
         self._calls.put(None)
         self._thread.join(timeout=10)
+        if self.step_log is not None and not self._thread.is_alive():
+            self.step_log.close()
         while True:
             try:
                 item = self._calls.get_nowait()
@@ -162,6 +174,8 @@ class EngineLoop:
         return True
 
     def _run(self) -> None:
+        if self.threads is not None:
+            set_thread_threads(self.threads)
         while not self._stopped:
             self._run_calls(block=not self.engine.has_unfinished_requests())
             if self._stopped:
@@ -205,12 +219,15 @@ class EngineLoop:
                 return
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving others
             logger.exception("engine step failed")
             self._fail_running(exc)
             return
+        if self.step_log is not None:
+            self._log_step(time.perf_counter() - started)
         step_tokens = self.engine.last_forward_tokens.values()
         self.max_step_tokens_per_request = max([self.max_step_tokens_per_request, *step_tokens])
         for out in outputs:
@@ -220,6 +237,14 @@ class EngineLoop:
             if out.finished:
                 self._streams.pop(out.request_id, None)
             metrics.GENERATION_TOKENS.labels(self.role).inc(len(out.new_token_ids))
+
+    def _log_step(self, seconds: float) -> None:
+        step = self.engine.last_step
+        if step is None or not step.scheduled:
+            return
+        rows = tuple((len(s.token_ids), s.start_position) for s in step.scheduled)
+        assert self.step_log is not None
+        self.step_log.write(StepRecord(rows, seconds, self.engine.num_threads()))
 
     def _fail_running(self, exc: BaseException) -> None:
         for request_id in list(self.engine.requests):

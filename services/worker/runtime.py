@@ -44,7 +44,7 @@ def effective_config(config: W, engine: EngineConfig, service: RunningService) -
         engine=engine,
         port=service.port,
         metrics_port=service.metrics_port,
-        threads=torch.get_num_threads(),
+        threads=config.threads or torch.get_num_threads(),
         cpus=format_cpus(sorted(os.sched_getaffinity(0))),
     )
 

@@ -32,16 +32,22 @@ def test_parse_cpu_list_rejects_bad_input(text):
 
 
 def test_apply_cpu_placement():
+    """It returns the engine thread's count (given, else one per pinned or allowed CPU) and
+    leaves torch's process-wide default at 1 (services/engine/threads.py)."""
     import torch
 
     allowed, num_threads = os.sched_getaffinity(0), torch.get_num_threads()
     try:
-        assert worker_cpus.apply_cpu_placement(None, None) is None
-        cpus = ",".join(str(c) for c in sorted(allowed))
-        assert worker_cpus.apply_cpu_placement(None, cpus) == sorted(allowed)
-        assert os.sched_getaffinity(0) == allowed and torch.get_num_threads() == len(allowed)
-        worker_cpus.apply_cpu_placement(1, None)
+        assert worker_cpus.apply_cpu_placement(None, None) == len(allowed)
         assert torch.get_num_threads() == 1
+        cpus = ",".join(str(c) for c in sorted(allowed))
+        assert worker_cpus.apply_cpu_placement(None, cpus) == len(allowed)
+        assert os.sched_getaffinity(0) == allowed
+        first = min(allowed)
+        assert worker_cpus.apply_cpu_placement(None, str(first)) == 1
+        assert os.sched_getaffinity(0) == {first}
+        os.sched_setaffinity(0, allowed)
+        assert worker_cpus.apply_cpu_placement(3, None) == 3
         with pytest.raises(ValueError, match=r"^--threads: "):
             worker_cpus.apply_cpu_placement(0, None)
         with pytest.raises(ValueError, match=r"^--cpus: "):

@@ -149,3 +149,27 @@ def test_reserved_blocks_come_back_however_the_receiver_leaves(tiny_llama):
         assert prefill.num_pinned_blocks == 0
     finally:
         loop.stop()
+
+
+def test_the_step_log_and_the_engine_threads(tiny_llama, tmp_path):
+    """`--step-log`: one record per step with its rows, seconds and the engine thread's torch
+    threads; `threads` is the engine thread's own count, the process default untouched."""
+    import torch
+
+    from services.cost_model import step_log
+
+    engine = make_engine(tiny_llama, num_blocks=64)
+    path = tmp_path / "steps.jsonl"
+    default = torch.get_num_threads()
+    loop = EngineLoop(engine, "both", step_log=str(path), threads=1)
+    loop.start()
+    try:
+        stream = loop.submit("r", list(range(2, 22)), SamplingParams(max_tokens=4, **GREEDY))
+        outputs = [stream.get(timeout=30) for _ in range(4)]
+        assert outputs[-1].finished
+        assert loop.call(engine.num_threads) == 1 and torch.get_num_threads() == default
+    finally:
+        loop.stop()
+    records = step_log.read(path)
+    assert [r.rows for r in records] == [((20, 0),), ((1, 20),), ((1, 21),), ((1, 22),)]
+    assert all(r.threads == 1 and r.seconds > 0 for r in records)

@@ -3,13 +3,13 @@
 //
 // Layout (services/engine/kv_cache.py): k_cache, v_cache [num_blocks, block_size, num_kv_heads,
 // head_dim]; position p of request b lives at block block_tables[b][p / block_size], offset
-// p % block_size. Work is split over requests with at::parallel_for; each request computes the
+// p % block_size. Work is split over requests with an OpenMP loop; each request computes the
 // scores of every query head against every position, a float32 softmax, and the weighted sum of
 // V, in two passes over its context (the scheme of vLLM's CPU
 // paged_attention_v1 kernel, without its hand-written intrinsics: the inner loops are plain
 // contiguous float loops the compiler vectorises).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -189,16 +189,22 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  at::parallel_for(0, num_decodes, 1, [&](int64_t begin, int64_t end) {
+  // A plain OpenMP loop rather than at::parallel_for: it runs on the calling thread's OpenMP
+  // thread count, while at::parallel_for's first call on a thread (this library keeps its own
+  // per-thread flag) resets that count to torch's process-wide default
+  // (services/engine/threads.py sets the engine thread's count alone).
+#pragma omp parallel if (num_decodes > 1)
+  {
     std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), scores;
-    for (int64_t b = begin; b < end; ++b) {
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < num_decodes; ++b) {
       scores.resize(num_heads * lens[b]);
       const int64_t offset = b * num_heads * head_dim;
       decode_one<scalar_t>(q_ptr + offset, k_ptr, v_ptr, tables + b * max_blocks, lens[b], block_size,
                            num_heads, num_kv_heads, head_dim, static_cast<float>(scale), qf.data(),
                            scores.data(), acc.data(), out_ptr + offset);
     }
-  });
+  }
 }
 
 // out, q: [num_decodes, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
