@@ -87,11 +87,14 @@ def summarize(values: Sequence[float]) -> Summary | None:
 
 @dataclass(frozen=True)
 class Slo:
-    """Per-request SLOs in seconds (`--goodput ttft:500 tpot:50` gives milliseconds)."""
+    """Per-request SLOs in seconds (`--goodput ttft:500 tpot:50` gives milliseconds). `itl`
+    bounds a request's second-largest gap between tokens (one stall is forgiven: the issue's
+    stall-sensitive workload W3)."""
 
     ttft: float | None = None
     tpot: float | None = None
     e2e: float | None = None
+    itl: float | None = None
 
     @classmethod
     def parse(cls, items: Sequence[str]) -> Slo:
@@ -99,8 +102,10 @@ class Slo:
         values: dict[str, float] = {}
         for item in items:
             name, _, ms = item.partition(":")
-            if name not in ("ttft", "tpot", "e2e") or not ms:
-                raise ValueError(f"--goodput: expected ttft:MS, tpot:MS or e2e:MS, got {item!r}")
+            if name not in ("ttft", "tpot", "e2e", "itl") or not ms:
+                raise ValueError(
+                    f"--goodput: expected ttft:MS, tpot:MS, itl:MS or e2e:MS, got {item!r}"
+                )
             try:
                 values[name] = float(ms) / 1e3
             except ValueError:
@@ -114,10 +119,12 @@ class Slo:
         if not r.complete:
             return False
         tpot = r.tpot
+        gaps = sorted(r.itl)
         return (
             (self.ttft is None or r.ttft <= self.ttft)
             and (self.tpot is None or tpot is None or tpot <= self.tpot)
             and (self.e2e is None or r.e2e <= self.e2e)
+            and (self.itl is None or not gaps or gaps[-min(2, len(gaps))] <= self.itl)
         )
 
 

@@ -41,6 +41,7 @@ from services.worker.runtime import (
     next_output,
     worker_info,
 )
+from services.worker.step_cost import load_step_cost
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         params = sampling_from_proto(request.sampling)
         prompt_ids, salt = list(request.prompt_token_ids), cache_salt(request.cache_salt)
         request_id, resumed = request.request_id, list(request.output_token_ids)
+        itl = request.itl_objective_ms / 1000 or None  # seconds; None: the engine's default
         if not request.HasField("kv_handle"):
-            yield from self._prefill_here(request_id, prompt_ids, params, salt, resumed, context)
+            yield from self._prefill_here(
+                request_id, prompt_ids, params, salt, resumed, itl, context
+            )
             return
         handle, source = handle_from_proto(request.kv_handle)
         if self.config.debug_recompute_prompt:
@@ -96,6 +100,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 kv_handle=handle,
                 cache_salt=salt,
                 output_token_ids=resumed,
+                itl_objective_s=itl,
             )  # always added, even if the caller left: its abort tells the source to unpin
             landed = False
             while (out := next_output(stream, context)) is not None:
@@ -123,7 +128,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 self.loop.abort(request_id)
             self.transfer.forget(request_id)
 
-    def _prefill_here(self, request_id: str, prompt_ids, params, salt, resumed, context):
+    def _prefill_here(self, request_id: str, prompt_ids, params, salt, resumed, itl, context):
         """The local path: no KV handle, so this engine prefills the prompt (and a migrated
         request's `resumed` outputs) itself, chunked into the running batch's steps; the replies
         carry every new token, the first one included."""
@@ -135,6 +140,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 cache_salt=salt,
                 caller_active=context.is_active,
                 output_token_ids=resumed,
+                itl_objective_s=itl,
             )
             first = True
             while (out := next_output(stream, context)) is not None:
@@ -215,6 +221,7 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
     if engine_config.device.startswith("cuda"):
         logger.info("KV transfer topology: %s", cuda_topology())
     engine = Engine(engine_config, kv_receiver=transfer)
+    load_step_cost(engine, config.threads or engine.num_threads())
     loop = EngineLoop(engine, "decode", config.step_log, config.threads)
     decode = DecodeServicer(loop, transfer, config)
     admin = AdminServicer(loop, config)

@@ -76,6 +76,11 @@ class EngineConfig:
     """Most requests running in one step."""
     max_num_batched_tokens: int = 8192
     """Most tokens (prompt + decode) computed in one step; a longer prompt is chunked."""
+    slo_itl_ms: float = 250.0
+    """ITL objective (milliseconds) of a stream that brings none: a step that mixes prompt
+    tokens into running decodes takes the largest chunk whose predicted time fits the tightest
+    running stream's objective (needs the cost model of `pdserve profile`; without one only
+    --max-num-batched-tokens caps it)."""
     seed: int | None = None
     """Seed of the engine's own draws: the sampling seed of a request that brings none
     (default: random)."""
@@ -153,10 +158,11 @@ class EngineConfig:
             or not (0 < utilization <= 1)
         ):
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {utilization!r}")
-        for name in ("kv_transfer_timeout_s", "kv_lease_seconds"):
+        for name in ("kv_transfer_timeout_s", "kv_lease_seconds", "slo_itl_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name}: must be > 0 seconds, got {value!r}")
+                unit = "milliseconds" if name.endswith("_ms") else "seconds"
+                raise ValueError(f"{name}: must be > 0 {unit}, got {value!r}")
         if not self.engine_id or not isinstance(self.engine_id, str):
             raise ValueError("engine_id: must be a non-empty string")
 

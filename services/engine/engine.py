@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from services.cost_model.step_cost import StepCost
+from services.cost_model.store import CostModelKey, machine_id
 from services.engine.block_hash import BlockHash
 from services.engine.config import EngineConfig, EngineRole
 from services.engine.cuda_graphs import decode_graphs
@@ -31,6 +33,7 @@ from services.engine.remote_kv import RemoteKV
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.step_budget import StepBudget
 from services.engine.tokenizer import Tokenizer
 from services.engine.validation import RequestChecker
 from services.engine.warmup import warm_up
@@ -109,6 +112,7 @@ class Engine:
         kv_handle: KVHandle | None = None,
         cache_salt: str | None = None,
         output_token_ids: list[int] | None = None,
+        itl_objective_s: float | None = None,
     ) -> str:
         """Queue a request; returns its id.
 
@@ -124,7 +128,8 @@ class Engine:
         have, since they count against max_tokens, in the penalties and in the seeded stream
         (a seeded draw depends only on (seed, output index): `sampler.py`). A handle then
         covers prompt + them. The engine reports them in `RequestOutput.output_token_ids` but
-        never again as new tokens.
+        never again as new tokens. `itl_objective_s`: this stream's ITL objective (seconds;
+        default: the config's `slo_itl_ms`), which the per-step token budget keeps.
         Raises InvalidRequestError (empty or too-long prompt, unknown token ids, duplicate id,
         non-string salt, output_token_ids at max_tokens), ResourceExhaustedError (the request
         could never fit in the KV cache, or too many wait for blocks) and KVHandshakeError (the
@@ -139,6 +144,10 @@ class Engine:
                 self.kv_receiver.complete(kv_handle)  # unusable here: let the source unpin now
                 raise
         resumed = self.checker.output_ids(output_token_ids, params)
+        if itl_objective_s is not None and not (
+            isinstance(itl_objective_s, (int, float)) and itl_objective_s > 0
+        ):
+            raise InvalidRequestError("itl_objective_s", f"must be > 0, got {itl_objective_s!r}")
         self.checker.check(request_id, prompt_ids, params, kv_handle, cache_salt, len(resumed))
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(
@@ -151,6 +160,7 @@ class Engine:
             kv_handle,
             cache_salt,
             output_token_ids=resumed,
+            itl_objective_s=itl_objective_s,
         )
         if kv_handle is not None:
             self._add_remote(request, kv_handle)
@@ -296,6 +306,23 @@ class Engine:
         del self.requests[request.request_id]
         handle = self.export.hand_off(request)
         return request.output(request.output_token_ids[-1:], handle)
+
+    def cost_model_key(self) -> CostModelKey:
+        """What this engine's fitted step costs are saved under (`pdserve profile`): this
+        machine's CPU (or GPU), the dtype and the model."""
+        device = self.config.device
+        if device.startswith("cuda"):
+            name = torch.cuda.get_device_name(torch.device(device))
+        else:
+            name = machine_id()
+        return CostModelKey(
+            name, str(self.config.torch_dtype).removeprefix("torch."), self.model_id
+        )
+
+    def use_step_cost(self, cost: StepCost | None) -> None:
+        """Size the prompt chunks of mixed steps by `cost` (the fitted step cost at this
+        engine's thread count; `step_budget.py`); None: only max_num_batched_tokens caps them."""
+        self.scheduler.step_budget = None if cost is None else StepBudget(cost)
 
     @staticmethod
     def num_threads() -> int:

@@ -86,6 +86,9 @@ class Request:
     """When this engine first sampled a token for the request (monotonic seconds)."""
     num_preemptions: int = 0
     """Times this request was preempted (its KV recomputed)."""
+    itl_objective_s: float | None = None
+    """This stream's ITL objective, seconds (None: the engine's `slo_itl_ms`): the per-step
+    token budget keeps steps that carry it within this (`step_budget.py`)."""
 
     @property
     def recompute_cause(self) -> str:

@@ -28,6 +28,7 @@ from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCache
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import SamplingRow, TokenLogprobs
+from services.engine.step_budget import StepBudget
 from services.kv_transfer.handle import KVHandle
 
 
@@ -82,6 +83,8 @@ class Scheduler:
         self.prompt_tokens_computed_by_cause = dict.fromkeys(RECOMPUTE_CAUSES, 0)
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_cache_hits = 0  # of those, tokens whose KV was reused
+        self.step_budget: StepBudget | None = None  # set once a cost model is known
+        self.last_prefill_budget: int | None = None  # the last mixed step's (None: uncapped)
 
     def add(self, request: Request) -> None:
         """Queue a request (first come, first served)."""
@@ -98,18 +101,42 @@ class Scheduler:
         and `max_num_seqs`. A remote request left out stays with its caller for a later step."""
         out = SchedulerOutput(now=time.monotonic())
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget(budget)
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget if remaining == 1 else min(budget, prefill_budget))
             if num_new == 0 or not self._allocate_or_preempt(request, num_new, out):
                 continue
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            if remaining > 1:
+                prefill_budget -= num_new
         if not out.preempted_ids:
             budget = self._admit_remote(ready_remote, out, budget)
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, min(budget, prefill_budget))
         return out
+
+    def _prefill_budget(self, cap: int) -> int:
+        """Prompt tokens this step may compute besides its decode rows (`step_budget.py`): the
+        largest chunk whose predicted step time fits the tightest ITL objective among the
+        running streams that decode this step; `cap` without a cost model or decode rows."""
+        decodes = [
+            r for r in self.running
+            if r.status == RequestStatus.RUNNING and r.num_tokens - r.num_computed_tokens == 1
+        ]  # fmt: skip
+        if self.step_budget is None or not decodes:
+            self.last_prefill_budget = None
+            return cap
+        default = self.config.slo_itl_ms / 1000
+        itl = min(default if r.itl_objective_s is None else r.itl_objective_s for r in decodes)
+        chunked = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        cached = chunked[0].num_computed_tokens if chunked else 0
+        contexts = [r.num_tokens for r in decodes]
+        tokens = self.step_budget.prefill_tokens(contexts, cached, itl, cap - len(decodes))
+        self.last_prefill_budget = tokens
+        return tokens
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv_cache.allocate_slots(request, num_new):

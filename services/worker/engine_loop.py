@@ -123,6 +123,7 @@ class EngineLoop:
         cache_salt: str | None = None,
         caller_active: Callable[[], bool] | None = None,
         output_token_ids: list[int] | None = None,
+        itl_objective_s: float | None = None,
     ) -> queue.Queue[RequestOutput | KVReserved | BaseException]:
         """Add a request; its outputs (or an exception) arrive on the returned queue. A DECODE
         request first gets a `KVReserved` once its blocks are reserved: the receiver writes the
@@ -131,7 +132,8 @@ class EngineLoop:
         `caller_active` (the RPC's `context.is_active`) is asked on the loop thread as the add
         runs: a caller that left while the call waited for a step adds nothing (its stream stays
         empty), so a burst of cancels leaves no prompt behind to be prefilled for no one.
-        `output_token_ids`: a migrated request's earlier outputs (`Engine.add_request`).
+        `output_token_ids`: a migrated request's earlier outputs, `itl_objective_s` its ITL
+        objective (`Engine.add_request`).
 
         Raises the engine's InvalidRequestError / ResourceExhaustedError / KVHandshakeError
         synchronously.
@@ -148,6 +150,7 @@ class EngineLoop:
                 kv_handle=kv_handle,
                 cache_salt=cache_salt,
                 output_token_ids=output_token_ids,
+                itl_objective_s=itl_objective_s,
             )
             self._streams[request_id] = stream
             return True

@@ -162,3 +162,14 @@ def test_bad_bench_flags_are_refused_by_name_before_any_request(capsys, flags, n
     argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "2", *flags]
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.startswith(f"pdserve: error: {named}: ")
+
+
+def test_the_itl_objective_forgives_one_stall():
+    """`--goodput itl:MS` bounds each request's second-largest gap between tokens."""
+    slo = Slo.parse(["itl:100"])
+    assert slo.itl == 0.1
+    one_stall = _result(0, 0.1, [0.02, 0.5, 0.03, 0.04])
+    two_stalls = _result(0, 0.1, [0.02, 0.5, 0.2, 0.04])
+    assert slo.met(one_stall) and not slo.met(two_stalls)
+    with pytest.raises(ValueError, match="itl:MS"):
+        Slo.parse(["gap:100"])

@@ -172,9 +172,9 @@ def _completion_ids(tokenizer, text: str = COMPLETION) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _post(url: str, body: dict) -> tuple[int, bytes]:
+def _post(url: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}
     )
     try:
         with urllib.request.urlopen(request, timeout=30) as reply:

@@ -43,6 +43,7 @@ def test_every_request_field_is_carried():
             logit_bias={5: -100.0},
         ),
         cache_salt="tenant-a",
+        itl_objective_ms=80.0,
     )
     request = request_from_proto(msg, "settled-id")
     assert request == GenerationRequest(
@@ -61,6 +62,7 @@ def test_every_request_field_is_carried():
         stop=("\n", "END"),
         cache_salt="tenant-a",
         request_id="settled-id",
+        itl_objective_ms=80.0,
     )
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xd6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xff\x01\n\x07Timings\x12\x0c\n\x04ttft\x18\x01 \x01(\x01\x12\x0b\n\x03\x65\x32\x65\x18\x02 \x01(\x01\x12\x10\n\x08tokenize\x18\x03 \x01(\x01\x12\x0f\n\x07prefill\x18\x04 \x01(\x01\x12\x13\n\x0bkv_transfer\x18\x05 \x01(\x01\x12\x0e\n\x06\x64\x65\x63ode\x18\x06 \x01(\x01\x12\x14\n\x0crouter_queue\x18\x07 \x01(\x01\x12\x15\n\rprefill_queue\x18\x08 \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_queue\x18\t \x01(\x01\x12\x19\n\x11\x66irst_decode_step\x18\n \x01(\x01\x12\x0c\n\x04path\x18\x0b \x01(\t\x12\x12\n\nmigrations\x18\x0c \x01(\x05\x12\x11\n\tmigration\x18\r \x01(\x01\"\xbe\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x05 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob2U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xf0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x18\n\x10itl_objective_ms\x18\x07 \x01(\x01\x42\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xff\x01\n\x07Timings\x12\x0c\n\x04ttft\x18\x01 \x01(\x01\x12\x0b\n\x03\x65\x32\x65\x18\x02 \x01(\x01\x12\x10\n\x08tokenize\x18\x03 \x01(\x01\x12\x0f\n\x07prefill\x18\x04 \x01(\x01\x12\x13\n\x0bkv_transfer\x18\x05 \x01(\x01\x12\x0e\n\x06\x64\x65\x63ode\x18\x06 \x01(\x01\x12\x14\n\x0crouter_queue\x18\x07 \x01(\x01\x12\x15\n\rprefill_queue\x18\x08 \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_queue\x18\t \x01(\x01\x12\x19\n\x11\x66irst_decode_step\x18\n \x01(\x01\x12\x0c\n\x04path\x18\x0b \x01(\t\x12\x12\n\nmigrations\x18\x0c \x01(\x05\x12\x11\n\tmigration\x18\r \x01(\x01\"\xbe\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x05 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob2U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,13 +39,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=137
   _globals['_CHATMESSAGES']._serialized_end=194
   _globals['_GENERATEREQUEST']._serialized_start=197
-  _globals['_GENERATEREQUEST']._serialized_end=411
-  _globals['_USAGE']._serialized_start=413
-  _globals['_USAGE']._serialized_end=493
-  _globals['_TIMINGS']._serialized_start=496
-  _globals['_TIMINGS']._serialized_end=751
-  _globals['_GENERATERESPONSE']._serialized_start=754
-  _globals['_GENERATERESPONSE']._serialized_end=944
-  _globals['_GENERATION']._serialized_start=946
-  _globals['_GENERATION']._serialized_end=1031
+  _globals['_GENERATEREQUEST']._serialized_end=437
+  _globals['_USAGE']._serialized_start=439
+  _globals['_USAGE']._serialized_end=519
+  _globals['_TIMINGS']._serialized_start=522
+  _globals['_TIMINGS']._serialized_end=777
+  _globals['_GENERATERESPONSE']._serialized_start=780
+  _globals['_GENERATERESPONSE']._serialized_end=970
+  _globals['_GENERATION']._serialized_start=972
+  _globals['_GENERATION']._serialized_end=1057
 # @@protoc_insertion_point(module_scope)

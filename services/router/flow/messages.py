@@ -9,6 +9,7 @@ the timings.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from services.engine.errors import InvalidRequestError
@@ -51,6 +52,8 @@ class GenerationRequest:
     """Requests share cached prefix KV only with requests of the same salt (None: no salt)."""
     request_id: str = ""
     """The client's id for the request ("": none); the workers' ids start with it."""
+    itl_objective_ms: float | None = None
+    """This stream's ITL objective (milliseconds; None: the decode worker's default)."""
 
     def __post_init__(self) -> None:
         if sum(getattr(self, kind) is not None for kind in PROMPT_KINDS) != 1:
@@ -61,6 +64,10 @@ class GenerationRequest:
             object.__setattr__(self, "chat", tuple(self.chat))
         object.__setattr__(self, "stop", check_stop_strings(self.stop))
         check_cache_salt(self.cache_salt)
+        itl = self.itl_objective_ms
+        number = isinstance(itl, (int, float)) and not isinstance(itl, bool)
+        if itl is not None and not (number and 0 < itl < math.inf):
+            raise InvalidRequestError("itl_objective_ms", f"must be > 0 milliseconds, got {itl!r}")
 
 
 @dataclass(frozen=True)

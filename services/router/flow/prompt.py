@@ -82,6 +82,8 @@ class PreparedRequest:
     """Stop strings (applied by the router to the text, never sent to workers)."""
     cache_salt: str = ""
     """Sent to both workers: part of every block hash (empty: no salt)."""
+    itl_objective_ms: float = 0.0
+    """Sent to the decode worker: this stream's ITL objective (0: the worker's default)."""
 
 
 def prepare_request(request: GenerationRequest, model: ModelInfo) -> PreparedRequest:
@@ -123,7 +125,10 @@ def prepare_request(request: GenerationRequest, model: ModelInfo) -> PreparedReq
     request_id = (
         f"{request.request_id}-{uuid.uuid4().hex[:12]}" if request.request_id else uuid.uuid4().hex
     )
-    return PreparedRequest(request_id, prompt_ids, params, request.stop, request.cache_salt or "")
+    return PreparedRequest(
+        request_id, prompt_ids, params, request.stop, request.cache_salt or "",
+        request.itl_objective_ms or 0.0,
+    )  # fmt: skip
 
 
 def tokenize_prompt(request: GenerationRequest, model: ModelInfo) -> list[int]:

@@ -202,6 +202,7 @@ class RequestRun:
             prepared.params,
             prepared.cache_salt,
             resumed,
+            prepared.itl_objective_ms,
         )
         try:  # decode_done on every path, a cancel before the call starts included
             self.scope.check()

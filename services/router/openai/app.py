@@ -162,6 +162,7 @@ class OpenAIApp:
                 oai.parse_request(await self._read_json(request), chat, self.max_n),
                 request_id=rid,
             )
+            parsed = oai.with_objectives(parsed, request.headers)
             if parsed.model is not None and parsed.model != self.model_name:
                 raise self._unknown_model(parsed.model)
             ticket = self.flow.admission.admit(parsed.num_choices)

@@ -18,8 +18,10 @@ as OpenAI-compatible servers do. Defaults are the engine's (max_tokens 16, tempe
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +75,27 @@ class OpenAIRequest:
                 request_id = f"{self.request_id}-{p * self.n + i}"
                 out.append(dataclasses.replace(prompt, sampling=sampling, request_id=request_id))
         return out
+
+
+ITL_OBJECTIVE_HEADER = "x-slo-itl-ms"  # as llm-d's x-slo-ttft-ms / x-slo-tpot-ms
+
+
+def with_objectives(parsed: OpenAIRequest, headers: Mapping[str, str]) -> OpenAIRequest:
+    """`parsed` with the per-request objective its headers set (`x-slo-itl-ms`: the ITL
+    objective in milliseconds, for every choice). InvalidRequestError naming the header."""
+    text = headers.get(ITL_OBJECTIVE_HEADER)
+    if text is None:
+        return parsed
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise InvalidRequestError(
+            ITL_OBJECTIVE_HEADER, f"must be a number of milliseconds > 0, got {text[:40]!r}"
+        )
+    prompts = tuple(dataclasses.replace(p, itl_objective_ms=value) for p in parsed.prompts)
+    return dataclasses.replace(parsed, prompts=prompts)
 
 
 def _refuse_unsupported(body: dict, chat: bool, n: int) -> None:

@@ -43,6 +43,8 @@ class WorkerRequest:
     """Part of every block hash ("": no salt)."""
     output_token_ids: Sequence[int] = ()
     """Tokens the client already has (a migrated request's): the worker goes on after them."""
+    itl_objective_ms: float = 0.0
+    """Decode only: the stream's ITL objective (0: the worker's default)."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,9 @@ def start_decode(
 ) -> DecodeStream:
     """Opens the Decode stream on the worker at `address`: with `kv`, the worker pulls the
     prompt KV from its source; without, it prefills the prompt itself. `timeout` in seconds."""
-    message = worker_pb2.DecodeRequest(**_request_fields(request))
+    message = worker_pb2.DecodeRequest(
+        **_request_fields(request), itl_objective_ms=request.itl_objective_ms
+    )
     if kv is not None:
         message.kv_handle.CopyFrom(handle_to_proto(kv.handle, kv.source))
     call = pool.decode_stub(address).Decode(

@@ -200,3 +200,21 @@ def test_cache_salt_reaches_both_workers_and_cached_tokens_reach_usage(cluster, 
     assert status == 200
     assert json.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
     assert cluster[1].requests[-1].cache_salt == cluster[2].requests[-1].cache_salt == "tenant-a"
+
+
+def test_the_itl_objective_header_reaches_the_decode_worker(cluster, tokenizer):
+    """x-slo-itl-ms (llm-d's x-slo-* headers, milliseconds) rides the Decode call; a bad one
+    is a 400 naming the header; none sends 0, the decode worker's own default."""
+    ids = _completion_ids(tokenizer)
+    url = cluster[0].http.url + "/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": len(ids)}
+    _script(cluster, ids)
+    assert _post(url, body, {"x-slo-itl-ms": "75.5"})[0] == 200
+    assert cluster[2].requests[-1].itl_objective_ms == 75.5
+    _script(cluster, ids)
+    assert _post(url, body)[0] == 200
+    assert cluster[2].requests[-1].itl_objective_ms == 0.0
+    for bad in ("0", "-3", "fast", "inf"):
+        status, data = _post(url, body, {"x-slo-itl-ms": bad})
+        error = json.loads(data)["error"]
+        assert status == 400 and error["message"].startswith("x-slo-itl-ms: must be a number")

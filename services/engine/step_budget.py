@@ -1,0 +1,50 @@
+"""The per-step token budget: how many prompt tokens a step may add to the running decodes.
+
+A step that mixes a prefill chunk into decode rows delays every one of those streams' next
+token by the whole step. Sarathi-Serve (Agrawal et al., OSDI 2024) caps such steps with a fixed
+token budget; SLOs-Serve (2025) derives the budget from the streams' objectives. Here each step
+takes the largest chunk whose predicted step time (the cost model fitted on this machine,
+`services/cost_model/`) fits the tightest ITL objective among the streams it carries,
+recomputed every step; `--max-num-batched-tokens` stays a cap. A step without decode rows
+delays nobody and takes the cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.cost_model.step_cost import StepCost, StepShape
+
+MIN_CHUNK_TOKENS = 16  # a prompt always advances, even when a decode step alone misses the ITL
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """`cost`: the fitted step cost at the engine's thread count."""
+
+    cost: StepCost
+    min_chunk_tokens: int = MIN_CHUNK_TOKENS
+
+    def prefill_tokens(
+        self, decode_contexts: Sequence[int], cached: int, itl_s: float, cap: int
+    ) -> int:
+        """The most prompt tokens (at most `cap`, at least min(cap, min_chunk_tokens)) a step
+        with `decode_contexts` (each decode row's context, tokens) may compute, as one chunk
+        after `cached` tokens, for its predicted seconds to stay within `itl_s`. `cap` when
+        there is no decode row."""
+        if not decode_contexts or cap <= self.min_chunk_tokens:
+            return max(cap, 0)
+        decodes = tuple(decode_contexts)
+
+        def fits(n: int) -> bool:
+            shape = StepShape(chunks=((n, cached),), decode_contexts=decodes)
+            return self.cost.predict(shape) <= itl_s
+
+        low, high = self.min_chunk_tokens, cap  # fits(low) is assumed; find the largest that fits
+        if fits(high):
+            return high
+        while high - low > 1:  # predicted time grows with n: bisect
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
