@@ -27,6 +27,7 @@ from services.worker.cpus import parse_cpu_list
 
 ROUTING_POLICIES = ("kv", "least_loaded", "round_robin")
 DISAGGREGATION_MODES = ("auto", "always", "never")
+COST_MODEL_MODES = ("auto", "saved", "off")
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
 API_KEY_ENV = "PDSERVE_API_KEY"  # the router's api_key when its config sets none
@@ -42,20 +43,11 @@ class PrefixIndexConfig:
     """Seconds (> 0) a prefill worker stays in the Redis index without a heartbeat."""
 
     def __post_init__(self) -> None:
-        checks.check(
-            self.redis_url is None
-            or isinstance(self.redis_url, str)
-            and self.redis_url.startswith(("redis://", "rediss://", "unix://")),
-            "redis_url",
-            "must be a redis:// URL or None",
-            self.redis_url,
-        )
-        checks.check(
-            checks.is_number(self.index_ttl) and self.index_ttl > 0,
-            "index_ttl",
-            "must be > 0",
-            self.index_ttl,
-        )
+        url, schemes = self.redis_url, ("redis://", "rediss://", "unix://")
+        ok = url is None or isinstance(url, str) and url.startswith(schemes)
+        checks.check(ok, "redis_url", "must be a redis:// URL or None", url)
+        ok = checks.is_number(self.index_ttl) and self.index_ttl > 0
+        checks.check(ok, "index_ttl", "must be > 0", self.index_ttl)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,8 +280,16 @@ class DecodeConfig(WorkerConfig):
     debug_recompute_prompt: bool = field(default=False, metadata=flag(hidden=True))
     """Test hook: recompute every prompt instead of pulling its KV (fires the recompute alert;
     `EngineConfig.debug_recompute_prompt`)."""
+    cost_model: str = field(default="auto", metadata=flag(choices=COST_MODEL_MODES))
+    """The step cost model that sizes mixed steps: auto (the saved one, else a quick profile
+    once at start, well under 60 s), saved (only a saved one), off (none)."""
 
     role: typing.ClassVar[EngineRole] = EngineRole.DECODE
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ok = self.cost_model in COST_MODEL_MODES
+        checks.check(ok, "cost_model", f"expected one of {COST_MODEL_MODES}", self.cost_model)
 
     def engine_config(self) -> EngineConfig:
         """DECODE role, with the recompute test hook passed on."""

@@ -113,10 +113,13 @@ def check_threads(threads: Sequence[int], available: int) -> tuple[int, ...]:
 
 def profile(engine: Engine, threads: Sequence[int], grid: Grid = QUICK) -> list[ThreadsProfile]:
     """Time `grid`'s probes on `engine` at each thread count and fit one `StepCost` each.
-    Leaves torch's thread count as it found it. Raises ResourceExhaustedError when the KV
-    cache cannot hold the largest probe (raise --kv-cache-bytes or lower the grid)."""
-    max_model_len = engine.scheduler.max_model_len
-    shapes = grid.shapes(max_model_len)
+    Leaves torch's thread count as it found it. Probes longer than the model or larger than
+    the free KV blocks are left out; ValueError naming `shapes` when too few are left to fit."""
+    free = engine.kv_cache.pool.num_free_blocks
+    shapes = [
+        s for s in grid.shapes(engine.scheduler.max_model_len)
+        if _num_blocks(s, engine.kv_cache.spec.block_size) <= free
+    ]  # fmt: skip
     before = torch.get_num_threads()
     results = []
     try:
@@ -133,6 +136,15 @@ def profile(engine: Engine, threads: Sequence[int], grid: Grid = QUICK) -> list[
     finally:
         torch.set_num_threads(before)
     return results
+
+
+def _rows(shape: StepShape) -> list[tuple[int, int]]:
+    """(tokens, start position) of each row: chunks after their cached tokens, then decodes."""
+    return [*shape.chunks, *((1, ctx - 1) for ctx in shape.decode_contexts)]
+
+
+def _num_blocks(shape: StepShape, block_size: int) -> int:
+    return sum(math.ceil((n + start) / block_size) for n, start in _rows(shape))
 
 
 def _time_step(engine: Engine, shape: StepShape, repeats: int) -> float:
@@ -153,8 +165,7 @@ def _step_of(engine: Engine, shape: StepShape) -> Iterator[SchedulerOutput]:
     tokens after its cached ones; each decode row computes one token at the end of its
     context. Every row samples greedily."""
     block_size = engine.kv_cache.spec.block_size
-    rows = [(n, cached) for n, cached in shape.chunks]
-    rows += [(1, ctx - 1) for ctx in shape.decode_contexts]
+    rows = _rows(shape)
     needed = [math.ceil((n + start) / block_size) for n, start in rows]
     with engine.kv_cache.pool.borrow(sum(needed)) as block_ids:
         scheduled, offset = [], 0

@@ -41,7 +41,7 @@ from services.worker.runtime import (
     next_output,
     worker_info,
 )
-from services.worker.step_cost import load_step_cost
+from services.worker.step_cost import settle_step_cost
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +221,6 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
     if engine_config.device.startswith("cuda"):
         logger.info("KV transfer topology: %s", cuda_topology())
     engine = Engine(engine_config, kv_receiver=transfer)
-    load_step_cost(engine, config.threads or engine.num_threads())
     loop = EngineLoop(engine, "decode", config.step_log, config.threads)
     decode = DecodeServicer(loop, transfer, config)
     admin = AdminServicer(loop, config)
@@ -246,7 +245,8 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
         transfer.close()
 
     worker = RunningWorker(service, loop, decode.draining, lambda: decode.num_streams == 0, close)
-    worker.warm_up_and_serve()
+    threads = config.threads or engine.num_threads()
+    worker.warm_up_and_serve(lambda: settle_step_cost(engine, threads, config.cost_model))
     worker.join_routers(config.register_with)
     return worker
 

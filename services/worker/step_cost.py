@@ -1,28 +1,40 @@
-"""A worker's step cost: the model `pdserve profile` saved for its machine, dtype, model and
-thread count, which sizes the prompt chunks of its mixed steps (`engine/step_budget.py`)."""
+"""A decode worker's step cost: the model `pdserve profile` saved for its machine, dtype, model
+and thread count, which sizes the prompt chunks of its mixed steps (`engine/step_budget.py`).
+
+`--cost-model auto` (the default): the saved model, else a quick profile run once on the engine
+thread before the worker turns SERVING (`services/cost_model/profile.py`, QUICK: well under 60 s
+for the default model; workers that start together wait for one another's under a file lock
+and reuse it). `saved`: the saved model only. `off`: none. Without a model a mixed step is
+capped by --max-num-batched-tokens alone, and the worker logs so.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 
 from services.cost_model import store
 from services.cost_model.step_cost import StepCost
 from services.engine import Engine
+from services.engine.file_lock import file_lock
 
 logger = logging.getLogger(__name__)
 
 
-def load_step_cost(engine: Engine, threads: int) -> StepCost | None:
-    """The saved step cost of `engine` at `threads` threads, given to the engine; None (logged:
-    then only --max-num-batched-tokens caps a mixed step) when there is none or it is
-    unreadable."""
+def settle_step_cost(engine: Engine, threads: int, mode: str = "auto") -> StepCost | None:
+    """Find (or, with mode "auto", fit and save) `engine`'s step cost at `threads` threads and
+    give it to the engine. Run it on the engine thread: a profile times that thread's steps.
+    Returns it, or None (logged) when there is none."""
+    if mode == "off":
+        engine.use_step_cost(None)
+        return None
     key = engine.cost_model_key()
-    try:
-        costs = store.load(key)
-    except (OSError, ValueError) as exc:
-        logger.warning("cost model unreadable (%s): fit it again with `pdserve profile`", exc)
-        costs = []
-    cost = next((c for c in costs if c.threads == threads), None)
+    cost = _saved(key, threads)
+    if cost is None and mode == "auto":
+        path = key.path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(path.with_suffix(".lock")):
+            cost = _saved(key, threads) or _profile(engine, key, threads)
     if cost is None:
         logger.warning(
             "no cost model for %d thread(s) of %s here (%s): mixed steps are capped by "
@@ -36,3 +48,29 @@ def load_step_cost(engine: Engine, threads: int) -> StepCost | None:
         )  # fmt: skip
     engine.use_step_cost(cost)
     return cost
+
+
+def _saved(key: store.CostModelKey, threads: int) -> StepCost | None:
+    try:
+        costs = store.load(key)
+    except (OSError, ValueError) as exc:
+        logger.warning("cost model unreadable (%s): fitting it again", exc)
+        return None
+    return next((c for c in costs if c.threads == threads), None)
+
+
+def _profile(engine: Engine, key: store.CostModelKey, threads: int) -> StepCost | None:
+    from services.cost_model import profile
+
+    started = time.perf_counter()
+    try:
+        (result,) = profile.profile(engine, [threads], profile.QUICK)
+    except ValueError as exc:  # a KV cache too small for enough probes
+        logger.warning("could not fit the step cost model: %s", exc)
+        return None
+    store.save(key, [result.cost])
+    logger.info(
+        "fitted the step cost model for %d thread(s) in %.1f s (once; `pdserve profile` fits "
+        "the full sweep)", threads, time.perf_counter() - started,
+    )  # fmt: skip
+    return result.cost
