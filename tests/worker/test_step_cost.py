@@ -30,7 +30,7 @@ def test_auto_profiles_once_and_the_next_worker_loads_it(tiny_llama, saved_here,
     cost = settle_step_cost(engine, 1, "auto")
     assert cost is not None and cost.threads == 1
     assert engine.scheduler.step_budget == StepBudget(cost)
-    assert [p.suffix for p in saved_here.iterdir()] .count(".json") == 1
+    assert [p.suffix for p in saved_here.iterdir()].count(".json") == 1
 
     def no_profile(*args, **kwargs):
         raise AssertionError("profiled again")
