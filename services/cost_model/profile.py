@@ -138,6 +138,12 @@ def profile(engine: Engine, threads: Sequence[int], grid: Grid = QUICK) -> list[
     return results
 
 
+def blocks_needed(engine: Engine, grid: Grid) -> int:
+    """KV blocks the largest probe of `grid` that fits the model borrows."""
+    shapes = grid.shapes(engine.scheduler.max_model_len)
+    return max(_num_blocks(s, engine.kv_cache.spec.block_size) for s in shapes)
+
+
 def _rows(shape: StepShape) -> list[tuple[int, int]]:
     """(tokens, start position) of each row: chunks after their cached tokens, then decodes."""
     return [*shape.chunks, *((1, ctx - 1) for ctx in shape.decode_contexts)]

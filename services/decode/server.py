@@ -32,6 +32,7 @@ from services.engine.errors import InvalidRequestError, KVHandshakeError, KVTran
 from services.engine.outputs import KVReserved, RequestOutput
 from services.kv_transfer.control.receiver import GrpcKVReceiver
 from services.kv_transfer.cuda_ipc.export import cuda_topology
+from services.worker.cpus import worker_cpus
 from services.worker.engine_loop import EngineLoop
 from services.worker.runtime import (
     AdminServicer,
@@ -221,7 +222,7 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
     if engine_config.device.startswith("cuda"):
         logger.info("KV transfer topology: %s", cuda_topology())
     engine = Engine(engine_config, kv_receiver=transfer)
-    loop = EngineLoop(engine, "decode", config.step_log, config.threads)
+    loop = EngineLoop(engine, "decode", config.step_log, config.threads, worker_cpus(config))
     decode = DecodeServicer(loop, transfer, config)
     admin = AdminServicer(loop, config)
     service = start_service(

@@ -18,9 +18,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from services.engine.kernels import load_paged_attention
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,22 @@ def set_thread_threads(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
         return
     gomp.omp_set_num_threads(ctypes.c_int(num_threads))
+
+
+def pin_thread_team(cpu_ids: Sequence[int]) -> list[int] | None:
+    """Run the calling thread's torch ops on one OpenMP thread per CPU of `cpu_ids`, member i
+    bound to `cpu_ids[i]` (the caller is member 0), so no two of them ever share a CPU; returns
+    their Linux thread ids. Without the C++ extension (no compiler), only the count is set and
+    None is returned. Raises ValueError for an empty list or a CPU this process may not use."""
+    cpus = [int(c) for c in cpu_ids]
+    allowed = os.sched_getaffinity(os.getpid())  # the process's (main thread's), not ours
+    if not cpus or len(set(cpus)) != len(cpus) or not set(cpus) <= allowed:
+        raise ValueError(f"cpus: need distinct CPUs of {sorted(allowed)}, got {cpus}")
+    set_thread_threads(len(cpus))
+    kernels = load_paged_attention()
+    if kernels is None:
+        return None
+    return list(kernels.pin_omp_threads(cpus))
 
 
 def thread_threads() -> int:

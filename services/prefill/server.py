@@ -25,6 +25,7 @@ from services.kv_transfer.control.service import KVTransferServicer, add_kv_tran
 from services.kv_transfer.cuda_ipc.export import cuda_topology
 from services.prefix_index.index import make_prefix_index
 from services.prefix_index.publisher import KVEventPublisher
+from services.worker.cpus import worker_cpus
 from services.worker.engine_loop import EngineLoop
 from services.worker.runtime import (
     AdminServicer,
@@ -100,7 +101,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     logger.info("KV transfer: --kv-transfer-backend %s, serving %s", backend, offered)
     if device.startswith("cuda"):
         logger.info("KV transfer topology: %s", cuda_topology())
-    loop = EngineLoop(engine, "prefill", config.step_log, config.threads)
+    loop = EngineLoop(engine, "prefill", config.step_log, config.threads, worker_cpus(config))
 
     def expire_leases() -> None:  # nobody renewed them: the decode worker (or router) is gone
         for request_id in sender.expire_leases():

@@ -63,6 +63,13 @@ def apply_cpu_placement(threads: int | None, cpus: str | None) -> int:
     return threads
 
 
+def worker_cpus(config: object) -> list[int] | None:
+    """A worker config's `cpus` as ids (None when it sets none): its engine thread pins one
+    torch thread per CPU of it."""
+    cpus = getattr(config, "cpus", None)
+    return parse_cpu_list(cpus) if cpus else None
+
+
 def format_cpus(cpus: Sequence[int]) -> str:
     """[0, 1, 2, 5] -> "0-2,5" (what `parse_cpu_list` reads back)."""
     parts: list[str] = []

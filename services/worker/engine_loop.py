@@ -23,9 +23,9 @@ from services.common.errors import ShuttingDownError
 from services.cost_model.step_log import StepLog, StepRecord
 from services.engine import Engine, SamplingParams
 from services.engine.outputs import KVReserved, RequestOutput
-from services.engine.scheduler import RECOMPUTE_CAUSES
-from services.engine.threads import set_thread_threads
+from services.engine.threads import pin_thread_team, set_thread_threads
 from services.kv_transfer.handle import KVHandle
+from services.worker.worker_metrics import COUNTERS, publish_worker_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -40,23 +40,28 @@ class EngineLoop:
     """Owns the engine thread; other threads reach the engine only through `call`."""
 
     def __init__(
-        self, engine: Engine, role: str, step_log: str | None = None, threads: int | None = None
+        self,
+        engine: Engine,
+        role: str,
+        step_log: str | None = None,
+        threads: int | None = None,
+        cpus: list[int] | None = None,
     ) -> None:
         """`step_log`: a file every step's shape and seconds are appended to (`--step-log`).
-        `threads`: the engine thread's torch threads (None: torch's default). Raises OSError
-        when the step log cannot be opened."""
+        `threads`: the engine thread's torch threads (None: torch's default); with `cpus` (the
+        worker's `--cpus`) and no more threads than CPUs, thread i is pinned to cpus[i]
+        (`pin_thread_team`). Raises OSError when the step log cannot be opened."""
         self.engine = engine
         self.role = role
         self.threads = threads
+        self.cpus = cpus
         self.step_log = StepLog(step_log) if step_log else None
         self._calls: queue.Queue[tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._streams: dict[str, queue.Queue[RequestOutput | KVReserved | BaseException]] = {}
         self._hooks: list[Callable[[], None]] = []
         self._stopped = False
         self.max_step_tokens_per_request = 0
-        self._last_counts = dict.fromkeys(
-            ("preemptions", "queries", "hits", *RECOMPUTE_CAUSES), 0
-        )  # engine totals already exported
+        self._last_counts = dict.fromkeys(COUNTERS, 0)  # engine totals already exported
         self._thread = threading.Thread(target=self._run, name=f"{role}-engine", daemon=True)
 
     def start(self) -> None:
@@ -177,7 +182,9 @@ class EngineLoop:
         return True
 
     def _run(self) -> None:
-        if self.threads is not None:
+        if self.threads is not None and self.cpus and self.threads <= len(self.cpus):
+            pin_thread_team(self.cpus[: self.threads])
+        elif self.threads is not None:
             set_thread_threads(self.threads)
         while not self._stopped:
             self._run_calls(block=not self.engine.has_unfinished_requests())
@@ -265,36 +272,4 @@ class EngineLoop:
         self._publish_metrics()
 
     def _publish_metrics(self) -> None:
-        engine, role = self.engine, self.role
-        pool = engine.kv_cache.pool
-        metrics.KV_BLOCKS_FREE.labels(role).set(pool.num_free_blocks)
-        pinned = engine.num_pinned_blocks
-        block_bytes = engine.kv_cache.spec.bytes_per_block
-        metrics.KV_BLOCKS_PINNED.labels(role).set(pinned)
-        metrics.KV_CACHE_BYTES.labels(role, "free").set(pool.num_free_blocks * block_bytes)
-        metrics.KV_CACHE_BYTES.labels(role, "used").set(
-            (pool.num_used_blocks - pinned) * block_bytes
-        )
-        metrics.KV_CACHE_BYTES.labels(role, "pinned").set(pinned * block_bytes)
-        metrics.KV_CACHE_USAGE.labels(role).set(pool.num_used_blocks / pool.num_blocks)
-        metrics.NUM_REQUESTS_RUNNING.labels(role).set(engine.scheduler.num_running)
-        metrics.NUM_REQUESTS_WAITING.labels(role).set(engine.num_waiting)
-        scheduler = engine.scheduler
-        totals = {
-            "preemptions": scheduler.num_preemptions,
-            "queries": scheduler.prefix_cache_queries,
-            "hits": scheduler.prefix_cache_hits,
-            **scheduler.prompt_tokens_computed_by_cause,
-        }
-        for name, counter in (
-            ("preemptions", metrics.NUM_PREEMPTIONS),
-            ("queries", metrics.PREFIX_CACHE_QUERIES),
-            ("hits", metrics.PREFIX_CACHE_HITS),
-        ):
-            counter.labels(role).inc(totals[name] - self._last_counts[name])
-        if role == "decode":  # prompt positions a decode worker ran, by why it had to
-            for cause in RECOMPUTE_CAUSES:
-                metrics.DECODE_RECOMPUTED_PROMPT_TOKENS.labels(role, cause).inc(
-                    totals[cause] - self._last_counts[cause]
-                )
-        self._last_counts = totals
+        self._last_counts = publish_worker_metrics(self.engine, self.role, self._last_counts)

@@ -62,12 +62,18 @@ def _saved(key: store.CostModelKey, threads: int) -> StepCost | None:
 def _profile(engine: Engine, key: store.CostModelKey, threads: int) -> StepCost | None:
     from services.cost_model import profile
 
-    started = time.perf_counter()
-    try:
-        (result,) = profile.profile(engine, [threads], profile.QUICK)
-    except ValueError as exc:  # a KV cache too small for enough probes
-        logger.warning("could not fit the step cost model: %s", exc)
+    needed, free = (
+        profile.blocks_needed(engine, profile.QUICK),
+        engine.kv_cache.pool.num_free_blocks,
+    )
+    if needed > free:  # a small test cache: profiling part of the sweep would fit badly
+        logger.warning(
+            "no quick profile: its largest step needs %d KV blocks, this worker has %d "
+            "(`pdserve profile` fits the model on a larger cache)", needed, free,
+        )  # fmt: skip
         return None
+    started = time.perf_counter()
+    (result,) = profile.profile(engine, [threads], profile.QUICK)
     store.save(key, [result.cost])
     logger.info(
         "fitted the step cost model for %d thread(s) in %.1f s (once; `pdserve profile` fits "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -161,13 +162,15 @@ def test_the_step_log_and_the_engine_threads(tiny_llama, tmp_path):
     engine = make_engine(tiny_llama, num_blocks=64)
     path = tmp_path / "steps.jsonl"
     default = torch.get_num_threads()
-    loop = EngineLoop(engine, "both", step_log=str(path), threads=1)
+    cpu = max(os.sched_getaffinity(0))
+    loop = EngineLoop(engine, "both", step_log=str(path), threads=1, cpus=[cpu])
     loop.start()
     try:
         stream = loop.submit("r", list(range(2, 22)), SamplingParams(max_tokens=4, **GREEDY))
         outputs = [stream.get(timeout=30) for _ in range(4)]
         assert outputs[-1].finished
         assert loop.call(engine.num_threads) == 1 and torch.get_num_threads() == default
+        assert loop.call(lambda: os.sched_getaffinity(0)) == {cpu}  # the engine thread pinned
     finally:
         loop.stop()
     records = step_log.read(path)

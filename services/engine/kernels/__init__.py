@@ -1,4 +1,4 @@
-"""C++ kernels pdserve builds on first use: the CPU paged decode-attention kernel."""
+"""C++ kernels pdserve builds on first use: the CPU paged decode-attention kernel, OpenMP pins."""
 
 # Built with torch's extension builder (a C++ compiler and ninja; about 30 s) into
 # `$PDSERVE_CACHE_DIR/kernels/<hash>`, keyed by the source, torch's version and this CPU, so later
@@ -22,7 +22,7 @@ from services.env import cache_dir
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "threads.cpp")]
 # -fopenmp: at::parallel_for is a header template that expands to `omp parallel` in this file,
 # and the `omp simd` pragmas vectorise the float reductions. The runtime it links, libgomp.so.1,
 # is the one torch has already loaded (same soname), so both share one thread pool.
@@ -42,7 +42,7 @@ def _cpu_flags() -> str:
 def _build_dir() -> Path:
     key = hashlib.sha256()
     for part in (
-        _SOURCE.read_bytes(),
+        *(source.read_bytes() for source in _SOURCES),
         torch.__version__.encode(),
         torch.__file__.encode(),  # each environment's own headers and libraries: its own build
         sys.version.encode(),
@@ -74,7 +74,8 @@ def _clear_stale_lock(lock: Path) -> None:
 @functools.cache
 def load_paged_attention() -> ModuleType | None:
     """The compiled extension (`paged_decode_attention(out, q, k_cache, v_cache, block_tables,
-    context_lens, scale)`), or None where it cannot be built (the reason is logged once)."""
+    context_lens, scale)`, `pin_omp_threads(cpu_ids) -> thread ids`), or None where it cannot
+    be built (the reason is logged once)."""
     from torch.utils import cpp_extension  # heavy import, only when a CPU engine starts
 
     build_dir = _build_dir()
@@ -88,7 +89,7 @@ def load_paged_attention() -> ModuleType | None:
     try:
         return cpp_extension.load(
             name="pdserve_paged_attention",
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),

@@ -247,6 +247,9 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
 
 }  // namespace
 
+std::vector<int64_t> pin_omp_threads(const std::vector<int64_t>& cpu_ids);  // threads.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("pin_omp_threads", &pin_omp_threads, "Pin the caller's OpenMP team, member i to CPU i");
 }

@@ -1,0 +1,167 @@
+"""Which worker computes on which CPU of one node: the ledger core lending runs on.
+
+Every CPU of the node's pools has a home worker (its owner, from `pdserve serve`'s placement)
+and a holder (the one worker whose engine threads may run on it now, or nobody). A worker with
+nothing to do lends its home CPUs (holder: nobody); a worker with work borrows free CPUs of
+others; an owner whose work comes back reclaims its CPUs: the free ones at once, the borrowed
+ones once their borrower gives them back at the end of its step. A CPU has one holder at a
+time, so no two workers' compute threads ever run on it together (the issue's rule), and a
+worker only computes on the CPUs it holds. TaiChi and semi-PD move compute between phases on
+GPUs the same way, at the granularity their hardware allows; here it is a core.
+
+The ledger is a small file (under /dev/shm) that every worker of the node maps: a header of
+worker names, then one record per CPU (cpu id, owner, holder, reclaim flag, generation). Every
+change runs under an exclusive `fcntl` lock of the file (and a thread lock in this process), so
+it is atomic across processes; a reader sees whole records.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+NOBODY = -1
+_HEADER_BYTES = 4096  # JSON: {"workers": [...], "num_cpus": N}, zero-padded
+_FIELDS = ("cpu", "owner", "holder", "reclaim", "generation")  # int64 each, per CPU
+
+
+class CoreLedger:
+    """One worker's view of the node's ledger (`open`), or the supervisor's (`create`)."""
+
+    def __init__(self, path: Path, worker: str | None) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR)
+        header = json.loads(os.pread(self._fd, _HEADER_BYTES, 0).rstrip(b"\0"))
+        self.workers: list[str] = header["workers"]
+        size = _HEADER_BYTES + header["num_cpus"] * len(_FIELDS) * 8
+        self._map = mmap.mmap(self._fd, size)
+        self._records = np.frombuffer(self._map, dtype=np.int64, offset=_HEADER_BYTES).reshape(
+            header["num_cpus"], len(_FIELDS)
+        )
+        self._lock = threading.Lock()
+        if worker is not None and worker not in self.workers:
+            raise ValueError(f"core_ledger: {worker!r} is not one of {self.workers}")
+        self.me = self.workers.index(worker) if worker is not None else NOBODY
+
+    @classmethod
+    def create(cls, path: str | Path, home_cpus: Mapping[str, Sequence[int]]) -> CoreLedger:
+        """Write a ledger where each worker holds its own CPUs (`home_cpus`: worker name -> its
+        CPUs, none shared). ValueError naming `home_cpus` for a CPU given twice."""
+        cpus = [(c, name) for name, owned in home_cpus.items() for c in owned]
+        if len({c for c, _ in cpus}) != len(cpus):
+            raise ValueError(f"home_cpus: a CPU has two owners: {dict(home_cpus)}")
+        workers = list(home_cpus)
+        header = json.dumps({"workers": workers, "num_cpus": len(cpus)}).encode()
+        records = np.array(
+            [[c, workers.index(n), workers.index(n), 0, 0] for c, n in sorted(cpus)],
+            dtype=np.int64,
+        ).reshape(len(cpus), len(_FIELDS))
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(header.ljust(_HEADER_BYTES, b"\0") + records.tobytes())
+        tmp.replace(path)
+        return cls(path, None)
+
+    @classmethod
+    def open(cls, path: str | Path, worker: str) -> CoreLedger:
+        """`worker`'s view of the ledger at `path`. OSError when it cannot be read; ValueError
+        naming `core_ledger` for a worker it does not list."""
+        return cls(Path(path), worker)
+
+    def close(self) -> None:
+        del self._records
+        self._map.close()
+        os.close(self._fd)
+
+    @contextmanager
+    def _locked(self) -> Iterator[np.ndarray]:
+        with self._lock:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+            try:
+                yield self._records
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
+    def _cpus(self, rows: np.ndarray) -> list[int]:
+        return [int(c) for c in self._records[rows, 0]]
+
+    # -- what a worker reads -------------------------------------------------------------------
+
+    def home(self) -> list[int]:
+        """This worker's own CPUs."""
+        return self._cpus(self._records[:, 1] == self.me)
+
+    def held(self) -> list[int]:
+        """The CPUs this worker may compute on now (its own it has not lent, and borrowed ones),
+        in CPU order."""
+        with self._locked() as r:
+            return self._cpus(r[:, 2] == self.me)
+
+    def holders(self) -> dict[int, str | None]:
+        """CPU -> the worker computing on it now (None: lent and free)."""
+        with self._locked() as r:
+            return {
+                int(cpu): (self.workers[int(h)] if h != NOBODY else None) for cpu, h in r[:, [0, 2]]
+            }
+
+    def reclaimed(self) -> bool:
+        """Whether an owner wants back a CPU this worker borrowed (give it back after the step)."""
+        with self._locked() as r:
+            return bool(((r[:, 2] == self.me) & (r[:, 1] != self.me) & (r[:, 3] != 0)).any())
+
+    # -- what a worker does --------------------------------------------------------------------
+
+    def lend(self) -> list[int]:
+        """Offer every home CPU this worker holds (it has nothing to compute): they are free for
+        others to borrow. Its compute threads must be idle before it calls this. Returns them."""
+        with self._locked() as r:
+            mine = (r[:, 1] == self.me) & (r[:, 2] == self.me)
+            r[mine, 2] = NOBODY
+            r[mine, 4] += 1
+            return self._cpus(mine)
+
+    def borrow(self, limit: int | None = None) -> list[int]:
+        """Take up to `limit` free CPUs of other workers that their owners do not want back
+        (all of them when None). Returns the CPUs taken."""
+        with self._locked() as r:
+            free = np.flatnonzero((r[:, 2] == NOBODY) & (r[:, 3] == 0) & (r[:, 1] != self.me))
+            taken = free[: len(free) if limit is None else max(limit, 0)]
+            r[taken, 2] = self.me
+            r[taken, 4] += 1
+            return self._cpus(taken)
+
+    def reclaim(self) -> list[int]:
+        """This worker has work again: take back its free home CPUs at once and ask borrowers
+        for the rest (they give them back after their current step, `give_back`). Returns the
+        home CPUs still out; call it again until that is empty."""
+        with self._locked() as r:
+            mine = r[:, 1] == self.me
+            free = mine & (r[:, 2] == NOBODY)
+            r[free, 2] = self.me
+            r[free, 3] = 0
+            r[free, 4] += 1
+            out = mine & (r[:, 2] != self.me)
+            r[out, 3] = 1
+            return self._cpus(out)
+
+    def give_back(self, everything: bool = False) -> list[int]:
+        """Release the borrowed CPUs whose owners reclaim them (every borrowed CPU when
+        `everything`: this worker has nothing left to compute on them). Call it between steps,
+        with no compute thread running on them. Returns the CPUs released."""
+        with self._locked() as r:
+            borrowed = (r[:, 2] == self.me) & (r[:, 1] != self.me)
+            going = borrowed if everything else borrowed & (r[:, 3] != 0)
+            owners_back = going & (r[:, 3] != 0)
+            r[going, 2] = NOBODY
+            r[owners_back, 2] = r[owners_back, 1]  # a reclaiming owner gets it at once
+            r[owners_back, 3] = 0
+            r[going, 4] += 1
+            return self._cpus(going)
