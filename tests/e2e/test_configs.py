@@ -54,6 +54,7 @@ DERIVED = {
 
 
 TARGETS = os.path.join(tempfile.gettempdir(), f"pdserve-test-targets-{os.getpid()}.json")
+STEP_LOG = os.path.join(tempfile.gettempdir(), f"pdserve-test-steps-{os.getpid()}")
 
 
 def _port(address: str) -> int:
@@ -71,6 +72,7 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         max_model_len=256,
         max_num_seqs=8,
         max_num_batched_tokens=128,
+        slo_itl_ms=80.0,
         seed=7,
         shuffle_free_blocks=True,
         enable_prefix_caching=False,
@@ -113,6 +115,7 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
             drain_timeout=5.0,
             debug_kv_stall_seconds=0.01,
             max_concurrent_rpcs=300,
+            step_log=STEP_LOG + ".prefill",
         ),
         decode=DecodeConfig(
             threads=1,
@@ -121,6 +124,8 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
             debug_zero_kv_block=0,
             debug_recompute_prompt=True,
             max_concurrent_rpcs=200,
+            step_log=STEP_LOG + ".decode",
+            cost_model="off",
         ),
         worker_host="localhost",
         kv_transfer_backend="grpc",
