@@ -168,6 +168,8 @@ def _metavar(name: str, hint: Any) -> str:
         return "PORT"
     if name.endswith("utilization"):
         return "FRACTION"
+    if hint is float and name.endswith("-ms"):
+        return "MS"
     return {int: "N", float: "SECONDS"}.get(hint, name.split("-")[-1].upper())
 
 

@@ -161,7 +161,7 @@ def point_stats(results: Sequence[RequestResult], request_rate: float, slo: Slo)
         if not r.complete:
             key = r.error or "incomplete output"
             errors[key] = errors.get(key, 0) + 1
-    has_slo = any(v is not None for v in (slo.ttft, slo.tpot, slo.e2e))
+    has_slo = any(v is not None for v in (slo.ttft, slo.tpot, slo.e2e, slo.itl))
     tpots = [t for r in done if (t := r.tpot) is not None]
     return PointStats(
         request_rate=request_rate,

@@ -59,12 +59,26 @@ def profile(args: argparse.Namespace) -> int:
 
     config = config_from_args(args, EngineConfig)
     threads = sweep.check_threads(_threads(args.threads), len(os.sched_getaffinity(0)))
+    records = None
+    if args.check is not None:  # read before loading the model: a bad path fails at once
+        try:
+            records = step_log.read(args.check)
+        except OSError as exc:
+            raise ValueError(f"--check: cannot read {args.check}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise ValueError(f"--check: {exc}") from None
+        if not records:
+            raise ValueError(f"--check: {args.check} holds no step")
     engine = Engine(config)
-    key = store.CostModelKey(
-        store.machine_id(), str(engine.config.torch_dtype)[6:], engine.model_id
-    )
-    if args.check is not None:
-        errors = step_log.prediction_errors(step_log.read(args.check), store.load(key))
+    key = engine.cost_model_key()
+    if records is not None:
+        costs = store.load(key)
+        if not costs:
+            raise ValueError(
+                f"--check: no saved model for {key.dtype} {key.model} here ({key.path()}): "
+                "check with the worker's --dtype, or run `pdserve profile` first"
+            )
+        errors = step_log.prediction_errors(records, costs)
         for e in errors:
             kinds = ", ".join(f"{k} {n} steps {m:.1f}%" for k, (n, m) in e.by_kind.items())
             print(
@@ -72,7 +86,8 @@ def profile(args: argparse.Namespace) -> int:
                 f"p90 {e.p90_pct:.1f}% ({kinds})"
             )
         if not errors:
-            print(f"no logged step has a saved model of its thread count ({key.path()})")
+            saved = sorted(c.threads for c in costs)
+            print(f"no logged step ran at a thread count with a saved model (saved: {saved})")
         _write_json(args.json, {"key": vars(key), "errors": [vars(e) for e in errors]})
         return 0 if errors else 1
     engine.warm_up()

@@ -51,7 +51,11 @@ class CostModelKey:
 def save(key: CostModelKey, costs: list[StepCost], root: Path | None = None) -> Path:
     """Writes `costs` (one per thread count; an existing file's other thread counts are kept)
     atomically; returns the path."""
-    merged = {c.threads: c for c in load(key, root)} | {c.threads: c for c in costs}
+    try:
+        kept = load(key, root)
+    except ValueError:  # unreadable or another format: the new fit replaces it
+        kept = []
+    merged = {c.threads: c for c in kept} | {c.threads: c for c in costs}
     path = key.path(root)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {
@@ -72,10 +76,18 @@ def load(key: CostModelKey, root: Path | None = None) -> list[StepCost]:
     path = key.path(root)
     if not path.exists():
         return []
-    body = json.loads(path.read_text())
+    try:
+        body = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(
+            f"cost_model: {path} is not JSON ({exc}): `pdserve profile` rewrites it"
+        ) from None
     expected = {"device": key.device, "dtype": key.dtype, "model": key.model}
-    if body.get("format") != FORMAT or body.get("key") != expected:
-        raise ValueError(f"cost_model: {path} holds another format or key: {body.get('key')}")
+    if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("key") != expected:
+        raise ValueError(
+            f"cost_model: {path} is not a format-{FORMAT} model of {expected}: `pdserve profile` "
+            "rewrites it"
+        )
     if body.get("features") != list(FEATURES):
         raise ValueError(f"cost_model: {path} was fitted on features {body.get('features')}")
     return [

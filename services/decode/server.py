@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 
 from services.common import metrics
@@ -75,7 +76,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         params = sampling_from_proto(request.sampling)
         prompt_ids, salt = list(request.prompt_token_ids), cache_salt(request.cache_salt)
         request_id, resumed = request.request_id, list(request.output_token_ids)
-        itl = request.itl_objective_ms / 1000 or None  # seconds; None: the engine's default
+        ms = request.itl_objective_ms  # 0: the engine's default; a tiny one stays > 0 in seconds
+        itl = max(ms / 1000, sys.float_info.min) if ms > 0 else None
         if not request.HasField("kv_handle"):
             yield from self._prefill_here(
                 request_id, prompt_ids, params, salt, resumed, itl, context

@@ -26,6 +26,10 @@ def settle_step_cost(engine: Engine, threads: int, mode: str = "auto") -> StepCo
     give it to the engine. Run it on the engine thread: a profile times that thread's steps.
     Returns it, or None (logged) when there is none."""
     if mode == "off":
+        logger.info(
+            "cost model off (--cost-model off): mixed steps are capped by "
+            "--max-num-batched-tokens only; ITL objectives do not size them"
+        )
         engine.use_step_cost(None)
         return None
     key = engine.cost_model_key()
@@ -54,7 +58,7 @@ def _saved(key: store.CostModelKey, threads: int) -> StepCost | None:
     try:
         costs = store.load(key)
     except (OSError, ValueError) as exc:
-        logger.warning("cost model unreadable (%s): fitting it again", exc)
+        logger.warning("saved cost model unreadable: %s", exc)
         return None
     return next((c for c in costs if c.threads == threads), None)
 

@@ -173,3 +173,5 @@ def test_the_itl_objective_forgives_one_stall():
     assert slo.met(one_stall) and not slo.met(two_stalls)
     with pytest.raises(ValueError, match="itl:MS"):
         Slo.parse(["gap:100"])
+    stats = point_stats([one_stall, two_stalls], 1.0, slo)  # alone, it still sets goodput
+    assert stats.attainment == 0.5

@@ -76,3 +76,26 @@ def test_the_command_saves_the_model_and_checks_it_on_a_step_log(
     assert "1 thread(s): 3 steps, |error| median" in capsys.readouterr().out
     assert main(["profile", "--model", tiny_llama, "--threads", "0"]) == 2
     assert "--threads: each thread count must be in [1," in capsys.readouterr().err
+
+
+def test_check_fails_fast_and_names_the_flag(tiny_llama, tmp_path, monkeypatch, capsys):
+    """A missing, empty or malformed step log is refused before the model loads; a dtype with no
+    saved model says so."""
+    monkeypatch.setattr(store, "cache_dir", lambda: tmp_path)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json {\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    for path, message in (
+        (tmp_path / "missing.jsonl", "--check: cannot read"),
+        (empty, "holds no step"),
+        (bad, "--check: step_log: not a step record"),
+    ):
+        assert main(["profile", "--model", tiny_llama, "--check", str(path)]) == 2
+        assert message in capsys.readouterr().err
+    log = StepLog(tmp_path / "steps.jsonl")
+    log.write(StepRecord(((1, 40),), 0.01, 1))
+    log.close()
+    args = ["profile", "--model", tiny_llama, "--check", str(tmp_path / "steps.jsonl")]
+    assert main([*args, "--dtype", "bfloat16"]) == 2
+    assert "--check: no saved model for bfloat16" in capsys.readouterr().err

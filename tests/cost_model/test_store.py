@@ -37,3 +37,16 @@ def test_a_file_of_another_key_or_feature_set_names_the_field(tmp_path):
 
 def test_the_machine_id_names_the_cpu_and_is_stable():
     assert machine_id() == machine_id() and "|" in machine_id()
+
+
+def test_a_corrupt_file_names_itself_and_a_new_fit_replaces_it(tmp_path):
+    path = KEY.path(tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"format": 2, broken')
+    with pytest.raises(
+        ValueError, match=r"^cost_model: .* is not JSON .*`pdserve profile` rewrites"
+    ):
+        load(KEY, tmp_path)
+    fresh = StepCost(1, (1.0,) * 6)
+    save(KEY, [fresh], tmp_path)
+    assert load(KEY, tmp_path) == [fresh]

@@ -28,7 +28,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
 }
-_PARAM = re.compile(r"[\w.\[\]]+(?=: )")
+_PARAM = re.compile(r"[\w.\[\]-]+(?=: )")  # a field, or a header (x-slo-itl-ms)
 _HTTP_NAMES = {"prompt_token_ids": "prompt", "chat.messages": "messages", "chat": "messages"}
 _GRPC_FIELD = re.compile(r"^(prompt_token_ids|chat\.messages|chat)(?=$|[.\[])")
 

@@ -218,3 +218,4 @@ def test_the_itl_objective_header_reaches_the_decode_worker(cluster, tokenizer):
         status, data = _post(url, body, {"x-slo-itl-ms": bad})
         error = json.loads(data)["error"]
         assert status == 400 and error["message"].startswith("x-slo-itl-ms: must be a number")
+        assert error["param"] == "x-slo-itl-ms"
