@@ -149,8 +149,12 @@ def _rows(shape: StepShape) -> list[tuple[int, int]]:
     return [*shape.chunks, *((1, ctx - 1) for ctx in shape.decode_contexts)]
 
 
+def _blocks_per_row(shape: StepShape, block_size: int) -> list[int]:
+    return [math.ceil((n + start) / block_size) for n, start in _rows(shape)]
+
+
 def _num_blocks(shape: StepShape, block_size: int) -> int:
-    return sum(math.ceil((n + start) / block_size) for n, start in _rows(shape))
+    return sum(_blocks_per_row(shape, block_size))
 
 
 def _time_step(engine: Engine, shape: StepShape, repeats: int) -> float:
@@ -172,7 +176,7 @@ def _step_of(engine: Engine, shape: StepShape) -> Iterator[SchedulerOutput]:
     context. Every row samples greedily."""
     block_size = engine.kv_cache.spec.block_size
     rows = _rows(shape)
-    needed = [math.ceil((n + start) / block_size) for n, start in rows]
+    needed = _blocks_per_row(shape, block_size)
     with engine.kv_cache.pool.borrow(sum(needed)) as block_ids:
         scheduled, offset = [], 0
         for i, ((n, start), count) in enumerate(zip(rows, needed, strict=True)):

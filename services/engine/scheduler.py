@@ -122,11 +122,14 @@ class Scheduler:
         """Prompt tokens this step may compute besides its decode rows (`step_budget.py`): the
         largest chunk whose predicted step time fits the tightest ITL objective among the
         running streams that decode this step; `cap` without a cost model or decode rows."""
+        if self.step_budget is None:  # no cost model: nothing to compute on the hot path
+            self.last_prefill_budget = None
+            return cap
         decodes = [
             r for r in self.running
             if r.status == RequestStatus.RUNNING and r.num_tokens - r.num_computed_tokens == 1
         ]  # fmt: skip
-        if self.step_budget is None or not decodes:
+        if not decodes:
             self.last_prefill_budget = None
             return cap
         default = self.config.slo_itl_ms / 1000
