@@ -277,6 +277,20 @@ ROWS = (
                 ),
             ),
             Panel(
+                "Cores held and lent",
+                "short",
+                "On how many CPUs does each worker compute now (core lending: its own it has not "
+                "lent, plus borrowed ones), and what share of the time are its own lent?",
+                (
+                    _per_worker("pdserve_cores_held", "{{service}} held"),
+                    Query(
+                        f"sum by (service) (rate(pdserve_core_lent_seconds_total{{{WORKER}}}"
+                        f"{RATE}))",
+                        "{{service}} lent share",
+                    ),
+                ),
+            ),
+            Panel(
                 "Health",
                 "short",
                 "Is every service scraped (up), and does the router route to each worker "

@@ -195,7 +195,8 @@ def _service(args: argparse.Namespace) -> int:
         from services.worker.cpus import apply_cpu_placement
 
         # Before the server module imports torch: OpenMP sizes its pool from the affinity mask.
-        threads = apply_cpu_placement(config.threads, config.cpus)
+        # A lending worker may run on every CPU of its node's ledger; its team starts on its own.
+        threads = apply_cpu_placement(config.threads or _cpu_count(config.cpus), _cpus(config))
         config = dataclasses.replace(config, threads=threads)
     elif isinstance(config, RouterConfig):
         from services.worker.cpus import pin_cpus
@@ -204,6 +205,22 @@ def _service(args: argparse.Namespace) -> int:
     server = importlib.import_module(f"services.{args.command}.server")
     server.serve(config)
     return 0
+
+
+def _cpu_count(cpus: str | None) -> int | None:
+    from services.worker.cpus import parse_cpu_list
+
+    return len(parse_cpu_list(cpus)) if cpus else None
+
+
+def _cpus(config: PrefillConfig | DecodeConfig) -> str | None:
+    """The CPUs a worker process may run on: its own, or with a core ledger every CPU it lists."""
+    if config.core_ledger is None:
+        return config.cpus
+    from services.worker.core_ledger import CoreLedger
+    from services.worker.cpus import format_cpus
+
+    return format_cpus(CoreLedger.cpus_of(config.core_ledger))
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -28,7 +28,10 @@ W = TypeVar("W", bound=WorkerConfig)
 _WORKER_ONLY = ("role", "engine_id")  # set per worker, never a flag
 
 
-_POOL = ("engine", "host", "port", "metrics_port", "register_with", "kv_transfer_backend")
+_POOL = (
+    "engine", "host", "port", "metrics_port", "register_with", "kv_transfer_backend",
+    "core_ledger",
+)  # fmt: skip
 PLACEMENTS = ("auto", "none")
 
 
@@ -74,6 +77,11 @@ class ClusterConfig:
     when there is one to spare, threads to match (`services/cluster/placement.py`; the plan is
     logged); none: leave every process unpinned with torch's default threads. A pool's --*-cpus or
     --*-threads wins over the plan."""
+    core_lending: bool = True
+    """With CPU placement (`placement: auto`, CPU engine, a CPU per worker): a worker with
+    nothing to compute lends its CPUs to the node's busy workers, which widen their OpenMP teams
+    onto them and give them back between steps when the owner has work again
+    (`services/worker/core_lending.py`). Off with --disaggregation always (the fixed split)."""
     prometheus_targets: str | None = None
     """Write a Prometheus file_sd targets file here once the cluster is ready (every service's
     /metrics, with service, worker and model labels; emptied after a clean stop): what
@@ -106,6 +114,8 @@ class ClusterConfig:
             f"expected one of {PLACEMENTS}",
             self.placement,
         )
+        ok = isinstance(self.core_lending, bool)
+        checks.check(ok, "core_lending", "must be true or false", self.core_lending)
         ok = self.kv_transfer_backend in KV_TRANSFER_BACKENDS
         checks.check(
             ok,
@@ -123,11 +133,11 @@ class ClusterConfig:
             worker = getattr(self, pool)
             if dataclasses.replace(worker.engine, engine_id="-") != anonymous:
                 raise ValueError(f"{pool}.engine: set by the cluster; set `engine` instead")
-            for name in ("host", "port", "metrics_port", "register_with", "kv_transfer_backend"):
+            for name in _POOL[1:]:
                 if getattr(worker, name) != getattr(WorkerConfig, name):
                     raise ValueError(
                         f"{pool}.{name}: set by the cluster (worker_host, free ports, "
-                        "kv_transfer_backend)"
+                        "kv_transfer_backend, core_lending)"
                     )
         if self.prefill.index != PrefixIndexConfig():
             raise ValueError("prefill.index: set by the cluster; set `index` instead")
@@ -162,6 +172,20 @@ class ClusterConfig:
             port=0,
             metrics_port=0,
             kv_transfer_backend=self.kv_transfer_backend,
+        )
+
+    def lends_cores(self, plan: PlacementPlan | None) -> bool:
+        """Whether the workers of this cluster lend one another their CPUs (`core_lending`)."""
+        return (
+            self.core_lending
+            and self.router.disaggregation != "always"
+            and plan is not None
+            and not plan.shared
+            and not plan.prefill_gpus
+            and not plan.decode_gpus
+            and len(plan.prefill) + len(plan.decode) >= 2
+            and self.prefill.cpus is None
+            and self.decode.cpus is None
         )
 
     def router_config(

@@ -7,12 +7,15 @@ local cluster: `num_prefill` + `num_decode` workers, then a router pointed at th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
+import tempfile
+import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.cluster.children import ChildSpec
@@ -20,6 +23,8 @@ from services.cluster.config import ClusterConfig
 from services.cluster.placement import PlacementPlan, plan_placement, visible_gpus
 from services.config.handoff import to_json
 from services.config.roles import API_KEY_ENV
+from services.worker.core_ledger import CoreLedger, worker_name
+from services.worker.cpus import parse_cpu_list
 
 READY_PREFIX = "ready "
 logger = logging.getLogger("pdserve.serve")
@@ -39,6 +44,22 @@ class ClusterSpec:
     plan_line: str = ""  # the placement, logged at start
     prometheus_targets: str | None = None  # file_sd file once ready (emptied on a clean stop)
     model: str = ""  # the served model, the targets' `model` label
+    core_ledger: str | None = None  # the workers' core ledger, created at start, removed at stop
+    home_cpus: dict[str, list[int]] = field(default_factory=dict)  # its worker name -> CPUs
+
+    def prepare(self) -> list[str]:
+        """Before the first child starts: create the core ledger. Returns the lines to log
+        (the placement, lending)."""
+        lines = [self.plan_line] if self.plan_line else []
+        if self.core_ledger:
+            lines.append(create_core_ledger(self.core_ledger, self.home_cpus))
+        return lines
+
+    def clean_up(self) -> None:
+        """After the last child stopped: remove the core ledger."""
+        if self.core_ledger:
+            with contextlib.suppress(OSError):
+                os.unlink(self.core_ledger)
 
 
 def child_spec(
@@ -77,10 +98,15 @@ def cluster_spec(config: ClusterConfig, plan: PlacementPlan | None = None) -> Cl
         ("prefill", config.num_prefill, config.prefill_config, plan.prefill_gpus if plan else ()),
         ("decode", config.num_decode, config.decode_config, plan.decode_gpus if plan else ()),
     )
+    ledger = core_ledger_path() if config.lends_cores(plan) else None
+    homes: dict[str, list[int]] = {}
     workers = []
     for role, count, member, gpus in pools:
         for i in range(count):
             worker = member(i, plan)
+            if ledger is not None:
+                worker = dataclasses.replace(worker, core_ledger=ledger)
+                homes[worker_name(worker.engine.engine_id)] = parse_cpu_list(worker.cpus)
             env = {"CUDA_VISIBLE_DEVICES": str(gpus[i])} if gpus else {}
             workers.append(child_spec(f"{role}-{i}", role, worker, env))
 
@@ -94,4 +120,21 @@ def cluster_spec(config: ClusterConfig, plan: PlacementPlan | None = None) -> Cl
         plan_line=plan.describe() if plan else "placement: none (every process unpinned)",
         prometheus_targets=config.prometheus_targets,
         model=config.engine.model,
+        core_ledger=ledger,
+        home_cpus=homes,
     )
+
+
+def create_core_ledger(path: str, home_cpus: dict[str, list[int]]) -> str:
+    """Write the workers' core ledger (each holding its own CPUs); returns the line to log."""
+    CoreLedger.create(path, home_cpus).close()
+    return (
+        f"core lending: an idle worker lends its CPUs to the busy ones (ledger {path}; "
+        "--no-core-lending turns it off)"
+    )
+
+
+def core_ledger_path() -> str:
+    """A fresh file name for a cluster's core ledger: in /dev/shm (memory) where there is one."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(folder, f"pdserve-cores-{uuid.uuid4().hex[:12]}")

@@ -66,8 +66,8 @@ class Supervisor:
             sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)
         }
         try:
-            if self.spec.plan_line:
-                _say(self.spec.plan_line)
+            for line in self.spec.prepare():
+                _say(line)
             try:
                 self._wait_ready([self._start(spec) for spec in self.spec.workers])
                 addresses = {
@@ -98,12 +98,13 @@ class Supervisor:
             return status
         finally:
             self._stop_all()
+            self.spec.clean_up()
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
 
     def ready_info(self) -> dict:
         """{"router": HOST:PORT, "http": URL or None, "services": [router, prefill...,
-        decode...]}."""
+        decode...], "core_ledger": the workers' core ledger file or None}."""
         services = [
             {
                 "role": c.spec.role,
@@ -119,6 +120,7 @@ class Supervisor:
             "router": router.ready["grpc"],
             "http": router.ready.get("http"),
             "services": services,
+            "core_ledger": self.spec.core_ledger,
         }
 
     def _ordered(self) -> list[Child]:

@@ -37,6 +37,7 @@ LATENCY_BUCKETS = (
     60.0,
     120.0,
 )
+SWITCH_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 TIME_TO_FIRST_TOKEN = Histogram(
@@ -216,6 +217,37 @@ REQUESTS_BY_PATH = Counter(
     "(prefilled on the decode worker).",
     ["role", "path"],
 )
+CORES_HELD = Gauge(
+    "pdserve_cores_held",
+    "CPUs this worker's engine computes on now (core lending: its own it has not lent, plus "
+    "those it borrowed).",
+    ["role"],
+)
+CORE_LENDS = Counter(
+    "pdserve_core_lends", "Times this worker lent its idle CPUs to the node's other workers.",
+    ["role"],
+)  # fmt: skip
+CORE_BORROWS = Counter(
+    "pdserve_core_borrows", "Times this worker took another worker's lent CPUs for its steps.",
+    ["role"],
+)  # fmt: skip
+CORE_LENT_SECONDS = Counter(
+    "pdserve_core_lent_seconds",
+    "Seconds this worker's own CPUs were lent (from its lend until it held them again).",
+    ["role"],
+)
+CORE_RECLAIM_WAIT = Histogram(
+    "pdserve_core_reclaim_wait_seconds",
+    "A worker with work again, waiting for the borrower of its CPUs to end its step.",
+    ["role"],
+    buckets=LATENCY_BUCKETS,
+)
+CORE_REPIN_SECONDS = Histogram(
+    "pdserve_core_repin_seconds",
+    "Resizing and re-pinning the engine's OpenMP team after the CPUs it holds changed.",
+    ["role"],
+    buckets=SWITCH_BUCKETS,
+)
 HTTP_READ_TIMEOUTS = Counter(
     "pdserve_http_read_timeouts",
     "HTTP connections closed because a request's headers and body did not arrive in time.",
@@ -230,6 +262,9 @@ WORKER_COUNTERS = (
     NUM_PREEMPTIONS,
     PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS,
+    CORE_LENDS,
+    CORE_BORROWS,
+    CORE_LENT_SECONDS,
 )
 
 

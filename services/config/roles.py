@@ -209,6 +209,10 @@ class WorkerConfig:
     step_log: str | None = None
     """Append every engine step's shape, seconds and thread count to this JSON-lines file (the
     cost model's live check: `pdserve profile --check FILE`)."""
+    core_ledger: str | None = None
+    """The node's core ledger file (`pdserve serve` creates one): idle, this worker lends its
+    CPUs to the node's other workers; busy, it borrows their lent ones. Its name there is its
+    engine_id (less the suffix `pdserve serve` adds), and it may run on every CPU listed."""
 
     role: typing.ClassVar[EngineRole]
 
@@ -237,8 +241,10 @@ class WorkerConfig:
             f"must be one of {', '.join(KV_TRANSFER_BACKENDS)}",
             self.kv_transfer_backend,
         )
-        ok = self.step_log is None or isinstance(self.step_log, str) and bool(self.step_log)
-        checks.check(ok, "step_log", "must be a file path or None", self.step_log)
+        for name in ("step_log", "core_ledger"):
+            value = getattr(self, name)
+            ok = value is None or isinstance(value, str) and bool(value)
+            checks.check(ok, name, "must be a file path or None", value)
 
     def engine_config(self) -> EngineConfig:
         """The engine this worker runs: its `engine` in the worker's role."""

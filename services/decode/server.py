@@ -249,7 +249,9 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
 
     worker = RunningWorker(service, loop, decode.draining, lambda: decode.num_streams == 0, close)
     threads = config.threads or engine.num_threads()
-    worker.warm_up_and_serve(lambda: settle_step_cost(engine, threads, config.cost_model))
+    worker.warm_up_and_serve(
+        lambda: settle_step_cost(engine, threads, config.cost_model), config.core_ledger
+    )
     worker.join_routers(config.register_with)
     return worker
 

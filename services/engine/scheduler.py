@@ -85,6 +85,9 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, tokens whose KV was reused
         self.step_budget: StepBudget | None = None  # set once a cost model is known
         self.last_prefill_budget: int | None = None  # the last mixed step's (None: uncapped)
+        # a cap on each step's prompt tokens set from outside (None: none): core lending keeps
+        # steps on borrowed CPUs short, so their owner gets them back after a short wait
+        self.max_step_prompt_tokens: int | None = None
 
     def add(self, request: Request) -> None:
         """Queue a request (first come, first served)."""
@@ -102,6 +105,8 @@ class Scheduler:
         out = SchedulerOutput(now=time.monotonic())
         budget = self.config.max_num_batched_tokens
         prefill_budget = self._prefill_budget(budget)
+        if self.max_step_prompt_tokens is not None:
+            prefill_budget = min(prefill_budget, self.max_step_prompt_tokens)
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop

@@ -19,7 +19,10 @@ import ctypes
 import functools
 import logging
 import os
-from collections.abc import Sequence
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -72,6 +75,53 @@ def pin_thread_team(cpu_ids: Sequence[int]) -> list[int] | None:
     if kernels is None:
         return None
     return list(kernels.pin_omp_threads(cpus))
+
+
+@functools.cache
+def _prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PR_SET_NAME = 15  # <linux/prctl.h>
+
+
+def name_thread(name: str) -> None:
+    """Set the calling thread's Linux name (`/proc/self/task/TID/comm`, at most 15 bytes; what
+    `top -H` shows). Threads it creates later, its OpenMP team among them, start with it. A
+    no-op where prctl is missing."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+
+
+@contextmanager
+def carrying_name(name: str, after: str) -> Iterator[None]:
+    """The calling thread is named `name` meanwhile, then `after`. Threads it starts meanwhile
+    start with `name`: its OpenMP team keeps it (what a /proc sampler tells compute threads by);
+    Python threads take their own names as they start (`name_python_threads`)."""
+    name_python_threads()
+    name_thread(name)
+    try:
+        yield
+    finally:
+        name_thread(after)
+
+
+def _name_on_start(frame: object, event: str, arg: object) -> None:
+    """A profile hook that runs once, first thing in a new Python thread: it takes the
+    thread's Python name as its Linux name, then removes itself."""
+    sys.setprofile(None)
+    name_thread(threading.current_thread().name)
+
+
+def name_python_threads() -> None:
+    """From now on every Python thread of this process names itself after its Python name as
+    it starts (`threading.setprofile`; Python 3.14 does this itself), instead of inheriting
+    its starter's Linux name: a gRPC channel thread an engine step starts is not compute."""
+    threading.setprofile(_name_on_start)
 
 
 def thread_threads() -> int:

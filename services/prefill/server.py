@@ -154,7 +154,7 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
         return loop.call(lambda: not engine.has_unfinished_requests() and not engine.pinned)
 
     worker = RunningWorker(service, loop, prefill.draining, drained, close)
-    worker.warm_up_and_serve()
+    worker.warm_up_and_serve(core_ledger=config.core_ledger)
     worker.join_routers(config.register_with)
     return worker
 

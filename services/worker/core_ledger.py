@@ -10,7 +10,8 @@ worker only computes on the CPUs it holds. TaiChi and semi-PD move compute betwe
 GPUs the same way, at the granularity their hardware allows; here it is a core.
 
 The ledger is a small file (under /dev/shm) that every worker of the node maps: a header of
-worker names, then one record per CPU (cpu id, owner, holder, reclaim flag, generation). Every
+worker names, then one record per CPU (cpu id, owner, holder, reclaim flag, generation, the
+holder's pid: a CPU whose holder died goes back to its owner, `recover`). Every
 change runs under an exclusive `fcntl` lock of the file (and a thread lock in this process), so
 it is atomic across processes; a reader sees whole records.
 """
@@ -30,7 +31,7 @@ import numpy as np
 
 NOBODY = -1
 _HEADER_BYTES = 4096  # JSON: {"workers": [...], "num_cpus": N}, zero-padded
-_FIELDS = ("cpu", "owner", "holder", "reclaim", "generation")  # int64 each, per CPU
+_FIELDS = ("cpu", "owner", "holder", "reclaim", "generation", "pid")  # int64 each, per CPU
 
 
 class CoreLedger:
@@ -50,6 +51,7 @@ class CoreLedger:
         if worker is not None and worker not in self.workers:
             raise ValueError(f"core_ledger: {worker!r} is not one of {self.workers}")
         self.me = self.workers.index(worker) if worker is not None else NOBODY
+        self.pid = os.getpid()
 
     @classmethod
     def create(cls, path: str | Path, home_cpus: Mapping[str, Sequence[int]]) -> CoreLedger:
@@ -61,7 +63,7 @@ class CoreLedger:
         workers = list(home_cpus)
         header = json.dumps({"workers": workers, "num_cpus": len(cpus)}).encode()
         records = np.array(
-            [[c, workers.index(n), workers.index(n), 0, 0] for c, n in sorted(cpus)],
+            [[c, workers.index(n), workers.index(n), 0, 0, 0] for c, n in sorted(cpus)],
             dtype=np.int64,
         ).reshape(len(cpus), len(_FIELDS))
         path = Path(path)
@@ -75,6 +77,16 @@ class CoreLedger:
         """`worker`'s view of the ledger at `path`. OSError when it cannot be read; ValueError
         naming `core_ledger` for a worker it does not list."""
         return cls(Path(path), worker)
+
+    @classmethod
+    def cpus_of(cls, path: str | Path) -> list[int]:
+        """Every CPU the ledger at `path` lists (what its workers may run on). OSError when it
+        cannot be read."""
+        ledger = cls(Path(path), None)
+        try:
+            return sorted(int(c) for c in ledger._records[:, 0])
+        finally:
+            ledger.close()
 
     def close(self) -> None:
         del self._records
@@ -126,6 +138,7 @@ class CoreLedger:
             mine = (r[:, 1] == self.me) & (r[:, 2] == self.me)
             r[mine, 2] = NOBODY
             r[mine, 4] += 1
+            r[mine, 5] = 0
             return self._cpus(mine)
 
     def borrow(self, limit: int | None = None) -> list[int]:
@@ -136,6 +149,7 @@ class CoreLedger:
             taken = free[: len(free) if limit is None else max(limit, 0)]
             r[taken, 2] = self.me
             r[taken, 4] += 1
+            r[taken, 5] = self.pid
             return self._cpus(taken)
 
     def reclaim(self) -> list[int]:
@@ -148,6 +162,7 @@ class CoreLedger:
             r[free, 2] = self.me
             r[free, 3] = 0
             r[free, 4] += 1
+            r[free, 5] = self.pid
             out = mine & (r[:, 2] != self.me)
             r[out, 3] = 1
             return self._cpus(out)
@@ -164,4 +179,55 @@ class CoreLedger:
             r[owners_back, 2] = r[owners_back, 1]  # a reclaiming owner gets it at once
             r[owners_back, 3] = 0
             r[going, 4] += 1
+            r[going, 5] = 0
             return self._cpus(going)
+
+    def settle(self, give_back: bool, borrow: bool) -> list[int]:
+        """A busy worker between two steps, under one lock: (when `give_back`) give back the
+        borrowed CPUs whose owners reclaim them, then (when `borrow`) take every free CPU, and
+        return the CPUs it holds now, in CPU order."""
+        with self._locked() as r:
+            back = (r[:, 2] == self.me) & (r[:, 1] != self.me) & (r[:, 3] != 0) & give_back
+            r[back, 2], r[back, 3], r[back, 5] = r[back, 1], 0, 0  # the owner's at once
+            r[back, 4] += 1
+            if borrow:
+                free = (r[:, 2] == NOBODY) & (r[:, 3] == 0) & (r[:, 1] != self.me)
+                r[free, 2], r[free, 5] = self.me, self.pid
+                r[free, 4] += 1
+            return self._cpus(r[:, 2] == self.me)
+
+    def recover(self) -> list[int]:
+        """Give back what an earlier process of this worker borrowed (a restarted worker calls
+        it first), and take back home CPUs whose borrower's process is gone (it died mid-lend:
+        it can never give them back). Returns the home CPUs taken back from a dead holder."""
+        with self._locked() as r:
+            stale = (r[:, 2] == self.me) & (r[:, 1] != self.me)
+            r[stale, 2], r[stale, 3], r[stale, 5] = NOBODY, 0, 0
+            r[stale, 4] += 1
+            out = (r[:, 1] == self.me) & (r[:, 2] != self.me) & (r[:, 2] != NOBODY)
+            dead = np.array([not _alive(int(pid)) for pid in r[:, 5]], dtype=bool) & out
+            r[dead, 2], r[dead, 3], r[dead, 5] = self.me, 0, self.pid
+            r[dead, 4] += 1
+            return self._cpus(dead)
+
+
+def worker_name(engine_id: str) -> str:
+    """A worker's name in the ledger: its engine id without the per-process suffix that
+    `pdserve serve` adds ("decode-0-<12 hex>" -> "decode-0"), so a restarted worker, a new
+    engine, finds its own CPUs again."""
+    stem, _, tail = engine_id.rpartition("-")
+    hexdigits = set("0123456789abcdef")
+    return stem if stem and len(tail) == 12 and set(tail) <= hexdigits else engine_id
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (0: no process recorded, counted as gone)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

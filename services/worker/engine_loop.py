@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from typing import TypeVar
 
 from services.common import metrics
@@ -23,8 +24,9 @@ from services.common.errors import ShuttingDownError
 from services.cost_model.step_log import StepLog, StepRecord
 from services.engine import Engine, SamplingParams
 from services.engine.outputs import KVReserved, RequestOutput
-from services.engine.threads import pin_thread_team, set_thread_threads
+from services.engine.threads import carrying_name, pin_thread_team, set_thread_threads
 from services.kv_transfer.handle import KVHandle
+from services.worker.core_lending import CoreLending, NoLending
 from services.worker.worker_metrics import COUNTERS, publish_worker_metrics
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,8 @@ T = TypeVar("T")
 
 POLL_SECONDS = 0.05  # how long an idle loop waits for a call before running its hooks again
 CALL_TIMEOUT_S = 60.0
+COMPUTE_THREAD_SUFFIX = "-step"  # the engine thread's Linux name while it steps ("decode-step"),
+# and its OpenMP team's (they inherit it): how a /proc sampler tells compute threads apart
 
 
 class EngineLoop:
@@ -62,6 +66,7 @@ class EngineLoop:
         self._stopped = False
         self.max_step_tokens_per_request = 0
         self._last_counts = dict.fromkeys(COUNTERS, 0)  # engine totals already exported
+        self.lending: CoreLending | NoLending = NoLending()
         self._thread = threading.Thread(target=self._run, name=f"{role}-engine", daemon=True)
 
     def start(self) -> None:
@@ -88,6 +93,18 @@ class EngineLoop:
                 return
             if item is not None:
                 item[1].set_exception(ShuttingDownError("the worker is shutting down"))
+
+    def start_lending(self, lending: CoreLending) -> None:
+        """Lend this worker's CPUs while it is idle and borrow free ones while it is busy, from
+        now on (after the warm-up: it computes on its own CPUs). Raises what `lending.start`
+        raises."""
+
+        def start() -> None:
+            with self._computing():
+                lending.start()
+            self.lending = lending
+
+        self.call(start)
 
     def add_idle_hook(self, hook: Callable[[], None]) -> None:
         """`hook()` runs on the loop thread between steps."""
@@ -181,25 +198,38 @@ class EngineLoop:
         self.engine.abort(request_id)
         return True
 
+    def _computing(self) -> AbstractContextManager[None]:
+        """The engine thread carries its compute name ("decode-step") meanwhile."""
+        return carrying_name(self.role + COMPUTE_THREAD_SUFFIX, f"{self.role}-engine")
+
     def _run(self) -> None:
-        if self.threads is not None and self.cpus and self.threads <= len(self.cpus):
-            pin_thread_team(self.cpus[: self.threads])
-        elif self.threads is not None:
-            set_thread_threads(self.threads)
-        while not self._stopped:
-            self._run_calls(block=not self.engine.has_unfinished_requests())
-            if self._stopped:
-                return
-            self._deliver_reserved()
-            if self.engine.has_unfinished_requests():
-                self._step()
+        with self._computing():  # the OpenMP team starts here and keeps the compute name
+            if self.threads is not None and self.cpus and self.threads <= len(self.cpus):
+                pin_thread_team(self.cpus[: self.threads])
+            elif self.threads is not None:
+                set_thread_threads(self.threads)
+        try:
+            while not self._stopped:
+                busy = self.engine.has_unfinished_requests()
+                if not busy:
+                    self.lending.idle()
+                self._run_calls(block=not busy)
+                if self._stopped:
+                    return
                 self._deliver_reserved()
-            self._run_hooks()
+                if self.engine.has_unfinished_requests():
+                    self.lending.reclaim()
+                    with self._computing():
+                        self.lending.before_step()
+                        self._step()
+                    self._deliver_reserved()
+                self._run_hooks()
+        finally:
+            self.lending.close()
 
     def _deliver_reserved(self) -> None:
-        for reserved in self.engine.take_reserved(
-            claim_writes=True
-        ):  # the RPC thread writes the KV
+        # the RPC thread writes the KV
+        for reserved in self.engine.take_reserved(claim_writes=True):
             stream = self._streams.get(reserved.request_id)
             if stream is not None:
                 stream.put(reserved)
@@ -236,8 +266,11 @@ class EngineLoop:
             logger.exception("engine step failed")
             self._fail_running(exc)
             return
-        if self.step_log is not None:
-            self._log_step(time.perf_counter() - started)
+        step = self.engine.last_step
+        if self.step_log is not None and step is not None and step.scheduled:
+            rows = tuple((len(s.token_ids), s.start_position) for s in step.scheduled)
+            seconds = time.perf_counter() - started
+            self.step_log.write(StepRecord(rows, seconds, self.engine.num_threads()))
         step_tokens = self.engine.last_forward_tokens.values()
         self.max_step_tokens_per_request = max([self.max_step_tokens_per_request, *step_tokens])
         for out in outputs:
@@ -247,14 +280,6 @@ class EngineLoop:
             if out.finished:
                 self._streams.pop(out.request_id, None)
             metrics.GENERATION_TOKENS.labels(self.role).inc(len(out.new_token_ids))
-
-    def _log_step(self, seconds: float) -> None:
-        step = self.engine.last_step
-        if step is None or not step.scheduled:
-            return
-        rows = tuple((len(s.token_ids), s.start_position) for s in step.scheduled)
-        assert self.step_log is not None
-        self.step_log.write(StepRecord(rows, seconds, self.engine.num_threads()))
 
     def _fail_running(self, exc: BaseException) -> None:
         for request_id in list(self.engine.requests):

@@ -23,6 +23,7 @@ from services.config.roles import WorkerConfig
 from services.engine.config import EngineConfig
 from services.engine.errors import InvalidRequestError
 from services.engine.outputs import RequestOutput
+from services.worker.core_lending import open_lending
 from services.worker.cpus import format_cpus
 from services.worker.engine_loop import EngineLoop
 
@@ -169,17 +170,25 @@ class RunningWorker:
             registrar.stop(leave=True)
         self.close()
 
-    def warm_up_and_serve(self, then: Callable[[], object] | None = None) -> float:
+    def warm_up_and_serve(
+        self, then: Callable[[], object] | None = None, core_ledger: str | None = None
+    ) -> float:
         """Run the engine's warm-up (`Engine.warm_up`) on the engine thread, the thread whose
         OpenMP team and caches then serve, and only then turn health SERVING (`start_*` call it
         before they return, so the ready line follows it). Calls that arrive meanwhile wait for
         it on the engine thread. Returns its seconds. On failure (its exception, or TimeoutError
         after WARM_UP_TIMEOUT_S) it stops the worker and re-raises. `then` runs next on the engine
-        thread, still before SERVING (a decode worker's cost model)."""
+        thread, still before SERVING (a decode worker's cost model). With `core_ledger` (the
+        worker's `--core-ledger`), core lending starts last (`core_lending.py`)."""
         try:
             seconds = self.loop.call(self.loop.engine.warm_up, timeout=WARM_UP_TIMEOUT_S)
             if then is not None:
                 self.loop.call(then, timeout=WARM_UP_TIMEOUT_S)
+            if core_ledger is not None:
+                lending = self.loop.call(
+                    lambda: open_lending(core_ledger, self.loop.engine, self.loop.role)
+                )
+                self.loop.start_lending(lending)
         except BaseException:
             self.stop(grace=0)
             raise

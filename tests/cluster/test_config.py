@@ -3,6 +3,8 @@ router's --host; per-service settings reach each child."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from services.cluster.config import ClusterConfig
@@ -42,3 +44,36 @@ def test_each_service_gets_its_own_bound_on_concurrent_calls():
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="^max_concurrent_rpcs: must be an integer >= 1"):
             DecodeConfig(max_concurrent_rpcs=bad)
+
+
+def test_workers_of_a_cpu_plan_share_a_core_ledger_unless_told_not_to():
+    from services.cluster.launcher import cluster_spec
+    from services.cluster.placement import plan_placement
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    plan = plan_placement(cpus[:2], 1, 1)
+    spec = cluster_spec(ClusterConfig(), plan)
+    assert spec.core_ledger and spec.core_ledger.startswith("/dev/shm/pdserve-cores-")
+    assert spec.home_cpus == {"prefill-0": [cpus[0]], "decode-0": [cpus[1]]}
+    assert {w.config.core_ledger for w in spec.workers} == {spec.core_ledger}
+    lines = spec.prepare()
+    try:
+        from services.worker.core_ledger import CoreLedger
+
+        assert CoreLedger.cpus_of(spec.core_ledger) == cpus[:2]
+        assert any("core lending" in line for line in lines)
+    finally:
+        spec.clean_up()
+    assert not os.path.exists(spec.core_ledger)
+    for config, why in (
+        (ClusterConfig(core_lending=False), "--no-core-lending"),
+        (ClusterConfig(router=RouterConfig(disaggregation="always")), "the fixed split"),
+        (ClusterConfig(decode=DecodeConfig(cpus=str(cpus[1]))), "a pool pinned by hand"),
+    ):
+        assert cluster_spec(config, plan).core_ledger is None, why
+    assert not ClusterConfig().lends_cores(plan_placement(cpus[:1], 1, 1))  # shared CPUs
+    assert not ClusterConfig().lends_cores(None)  # --placement none
+    with pytest.raises(ValueError, match="core_lending"):
+        ClusterConfig(core_lending="yes")

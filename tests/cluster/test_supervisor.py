@@ -165,7 +165,8 @@ def _start_driver(tmp_path: Path, fake: str, mode: str = "ok", stop_timeout: flo
 def test_serve_ready_line_and_sigterm_stops_every_child(tmp_path, fake_service):
     proc, info = _start_driver(tmp_path, fake_service)
     try:
-        assert set(info) == {"router", "http", "services"}
+        assert set(info) == {"router", "http", "services", "core_ledger"}
+        assert info["core_ledger"] is None  # this spec lends no cores
         assert [s["role"] for s in info["services"]] == ["router", "prefill", "prefill", "decode"]
         keys = {"role", "name", "grpc", "metrics", "pid"}
         assert all(set(s) == keys for s in info["services"])

@@ -47,6 +47,7 @@ DERIVED = {
             "metrics_port",
             "register_with",
             "kv_transfer_backend",
+            "core_ledger",
         )
     ),
     "prefill.index",
@@ -133,6 +134,7 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         num_decode=2,
         start_timeout=110.0,
         placement="none",
+        core_lending=False,
         prometheus_targets=TARGETS,
     )
 

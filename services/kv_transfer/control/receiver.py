@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -91,6 +92,10 @@ class GrpcKVReceiver(KVReceiver):
             self._wanted, self._granted, self._channel, name=f"{role}-kv-lease"
         )
         self.bytes_transferred = 0
+        # ReleaseKV leaves from a thread of its own: a gRPC future starts a channel thread,
+        # which must not be born on the engine thread mid-step (it would carry the compute name)
+        self._releases = ThreadPoolExecutor(1, thread_name_prefix=f"{role}-kv-release")
+        self._releases.submit(lambda: None)  # its thread starts here, not on the engine thread
 
     # -- destination bookkeeping ---------------------------------------------------------------
 
@@ -106,8 +111,10 @@ class GrpcKVReceiver(KVReceiver):
             self.pull_seconds.pop(request_id, None)
 
     def close(self) -> None:
-        """Stop the lease renewals, drop every data path and close every channel."""
+        """Stop the lease renewals, send the releases queued, drop every data path and close
+        every channel."""
         self._renewer.stop()
+        self._releases.shutdown(wait=True)
         with self._lock:
             paths, self._paths = list(self._paths.values()), {}
         for path in paths:
@@ -286,10 +293,10 @@ class GrpcKVReceiver(KVReceiver):
         metrics.KV_TRANSFER_TIME.labels(self.role).observe(self.pull_seconds[handle.request_id])
 
     def complete(self, handle: KVHandle) -> None:
-        """Tell the source to unpin, without waiting (this runs on the engine thread); a lost
-        message is covered by the lease."""
+        """Tell the source to unpin, without waiting (this runs on the engine thread: the call
+        leaves from the release thread); a lost message is covered by the lease."""
         with self._lock:
             address = self._addresses.pop(handle.request_id, None)
         if address is None:
             return
-        release_kv(self._channels.get(address), handle.request_id, address)
+        self._releases.submit(release_kv, self._channels.get(address), handle.request_id, address)
