@@ -105,8 +105,10 @@ def cluster_spec(config: ClusterConfig, plan: PlacementPlan | None = None) -> Cl
         for i in range(count):
             worker = member(i, plan)
             if ledger is not None:
+                cpus = worker.cpus
+                assert cpus is not None  # `lends_cores`: the plan placed every worker
                 worker = dataclasses.replace(worker, core_ledger=ledger)
-                homes[worker_name(worker.engine.engine_id)] = parse_cpu_list(worker.cpus)
+                homes[worker_name(worker.engine.engine_id)] = parse_cpu_list(cpus)
             env = {"CUDA_VISIBLE_DEVICES": str(gpus[i])} if gpus else {}
             workers.append(child_spec(f"{role}-{i}", role, worker, env))
 
