@@ -153,8 +153,14 @@ class CoreLending:
         self._team = list(team or [])
         self.held = held
         if self.costs:  # the team's size changed: so did its steps' cost
-            self.engine.use_step_cost(self.costs.get(len(held)))
+            self.engine.use_step_cost(self._cost(len(held)))
         metrics.CORE_REPIN_SECONDS.labels(self.role).observe(time.perf_counter() - started)
+
+    def _cost(self, threads: int) -> StepCost | None:
+        """The fit at `threads`, else at the most threads below it (it predicts longer steps:
+        the budget errs toward smaller chunks), else None."""
+        fits = [n for n in self.costs if n <= threads]
+        return self.costs[max(fits)] if fits else None
 
     def _wait_team_asleep(self) -> None:
         """Wait (at most ASLEEP_TIMEOUT_S) until the team's other threads sleep: a lent CPU must

@@ -30,15 +30,14 @@ from tests.redis_server import RedisServer
 from tests.reference import assert_equivalent, hf_greedy
 
 SEED = 2026
-MAX_TOKENS = 24
 CLIENTS = 4
 # The suite's schedule: one fault of each kind (a decode worker, a prefill worker, Redis).
 # PDSERVE_CHAOS_FULL=1 runs the longer one docs/reliability.md reports (120 requests, 7 faults).
 if os.environ.get("PDSERVE_CHAOS_FULL") == "1":
-    NUM_REQUESTS = 120
+    NUM_REQUESTS, MAX_TOKENS = 120, 24
     FAULTS = ["decode-0", "prefill-1", "redis", "decode-1", "prefill-0", "redis", "decode-0"]
 else:
-    NUM_REQUESTS = 36
+    NUM_REQUESTS, MAX_TOKENS = 28, 16
     FAULTS = ["decode-0", "prefill-1", "redis"]
 WORKERS = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
 KV_BYTES = str(64 << 20)

@@ -140,12 +140,16 @@ def test_cached_tokens_follow_up_turn_salt_reset_and_exact_metrics(
     assert delta[("prefill", "pdserve_kv_transfer_bytes_total")] == pulled
 
 
+# Every offset in a block with 0, 1 and 2 blocks cached, and the block edges above.
+REFERENCE_LENGTHS = {*range(1, 34), 47, 48, 49, 63, 64, 65, 79, 80}
+
+
 def test_usage_cached_tokens_rule_for_every_prompt_length_1_to_80(
     cluster, default_model, real_text_ids
 ):
     """Through the public API: each length sent twice; the second send reports
-    (n - 1) // 16 * 16 cached tokens (the first none), and both first tokens meet the
-    equivalence rule against transformers."""
+    (n - 1) // 16 * 16 cached tokens (the first none) and the same token, which meets the
+    equivalence rule against transformers (at REFERENCE_LENGTHS)."""
 
     def sends(n: int) -> tuple[int, list[int], list[int], list[int], int, int]:
         prompt = real_text_ids[9000 + 100 * n : 9000 + 100 * n + n]  # disjoint texts per length
@@ -158,6 +162,6 @@ def test_usage_cached_tokens_rule_for_every_prompt_length_1_to_80(
         results = list(pool.map(sends, range(1, 81)))
     for n, prompt, cold, warm, cold_cached, warm_cached in results:
         assert (cold_cached, warm_cached) == (0, (n - 1) // BLOCK * BLOCK), n
-        reference = hf_greedy(default_model, prompt, 1)
-        assert_equivalent(cold, reference, f"cold n={n}")
-        assert_equivalent(warm, reference, f"warm n={n}")
+        assert warm == cold, n  # a hit changes no token
+        if n in REFERENCE_LENGTHS:
+            assert_equivalent(cold, hf_greedy(default_model, prompt, 1), f"cold n={n}")

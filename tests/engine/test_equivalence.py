@@ -5,8 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from services.engine import SamplingParams
+from tests.conftest import make_tiny_model
 from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 from tests.reference import assert_equivalent, hf_greedy
 
@@ -79,14 +81,28 @@ def test_default_model_chunked_prefill(default_model, real_text_ids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("length", [1024, 8160])  # several chunks; the context's edge
+@pytest.mark.parametrize("length", [1024, 4096])  # several chunks; half the context
 def test_default_model_long_prompts(default_model, real_text_ids, length):
-    """Prompt lengths that are multiples of block_size, up to the model's 8,192-token context."""
+    """Prompt lengths that are multiples of block_size, on the real weights (the context's edge:
+    `test_prompt_at_the_context_edge`, where the real model took a minute of the suite)."""
     engine = make_engine(default_model, kv_cache_memory_bytes=1 << 30)
     prompt = real_text_ids[:length]
+    outs, _ = run_to_completion(engine, {"r": (prompt, SamplingParams(max_tokens=12, **GREEDY))})
+    assert len(outs["r"]) == 12
+    assert_equivalent(outs["r"], hf_greedy(default_model, prompt, 12), f"len={length}")
+
+
+def test_prompt_at_the_context_edge(tmp_path):
+    """An 8,160-token prompt decoded to the last of 8,192 positions (RoPE, block tables and
+    the KV cache at the context's edge), on a tiny model with the default model's context."""
+    model = str(make_tiny_model("llama", tmp_path / "edge", max_position_embeddings=8192))
+    engine = make_engine(model, kv_cache_memory_bytes=64 << 20)
+    prompt = [
+        int(t) for t in torch.randint(2, 512, (8160,), generator=torch.Generator().manual_seed(5))
+    ]
     outs, _ = run_to_completion(engine, {"r": (prompt, SamplingParams(max_tokens=32, **GREEDY))})
-    assert len(outs["r"]) == 32
-    assert_equivalent(outs["r"], hf_greedy(default_model, prompt, 32), f"len={length}")
+    assert len(outs["r"]) == 32 and engine.config.max_model_len == 8192
+    assert_equivalent(outs["r"], hf_greedy(model, prompt, 32), "len=8160")
 
 
 def test_prefill_joins_running_decodes(tiny_model):

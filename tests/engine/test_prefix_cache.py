@@ -56,11 +56,17 @@ def _run_batch(engine, prompts: dict[str, list[int]], max_tokens: int):
     return results
 
 
+# Lengths checked against transformers too: every offset in a block with 0, 1 and 2 blocks
+# cached, and the block edges above (every other length: warm output == cold output).
+REFERENCE_LENGTHS = {*range(1, 34), 47, 48, 49, 63, 64, 65, 79, 80}
+
+
 def test_cached_tokens_rule_for_every_prompt_length_1_to_80(default_model, real_text_ids):
     """Every length sent twice (each time all 80 in one batch): the first send hits nothing, the
     second reuses every full block before the last prompt token, (n - 1) // 16 * 16 tokens
-    (0 for n <= 16, 16 for n = 32, 64 for n = 80); both outputs meet the equivalence rule against
-    transformers, so hits change nothing. The counters add up exactly."""
+    (0 for n <= 16, 16 for n = 32, 64 for n = 80); the second output equals the first, so hits
+    change nothing, and the first meets the equivalence rule against transformers (at
+    REFERENCE_LENGTHS). The counters add up exactly."""
     engine = make_engine(default_model, num_blocks=1024)
     # Disjoint texts, so no two lengths share a block.
     prompts = {n: real_text_ids[n * 100 : n * 100 + n] for n in range(1, 81)}
@@ -68,9 +74,10 @@ def test_cached_tokens_rule_for_every_prompt_length_1_to_80(default_model, real_
     warm = _run_batch(engine, {f"warm-{n}": p for n, p in prompts.items()}, 3)
     for n, prompt in prompts.items():
         assert (cold[f"cold-{n}"][1], warm[f"warm-{n}"][1]) == (0, (n - 1) // BLOCK * BLOCK), n
-        reference = hf_greedy(default_model, prompt, 3)
-        assert_equivalent(cold[f"cold-{n}"][0], reference, f"cold n={n}")
-        assert_equivalent(warm[f"warm-{n}"][0], reference, f"warm n={n}")
+        assert warm[f"warm-{n}"][0] == cold[f"cold-{n}"][0], n  # a hit changes no token
+        if n in REFERENCE_LENGTHS:
+            reference = hf_greedy(default_model, prompt, 3)
+            assert_equivalent(cold[f"cold-{n}"][0], reference, f"cold n={n}")
     hits = sum((n - 1) // BLOCK * BLOCK for n in prompts)
     assert (engine.scheduler.prefix_cache_queries, engine.scheduler.prefix_cache_hits) == (
         2 * sum(prompts),

@@ -102,6 +102,10 @@ def test_the_step_cost_follows_the_team_size(ledger_path):
     decode.reclaim()
     decode.before_step()
     assert engine.costs_used[-1] == "two"
+    decode.costs = {2: "two"}  # no fit for three threads: the two-thread one, never none
+    prefill.idle()
+    decode.before_step()
+    assert engine.costs_used[-1] == "two"
 
 
 def test_an_owner_takes_back_cpus_whose_borrower_died(ledger_path, monkeypatch):

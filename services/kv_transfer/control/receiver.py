@@ -92,10 +92,9 @@ class GrpcKVReceiver(KVReceiver):
             self._wanted, self._granted, self._channel, name=f"{role}-kv-lease"
         )
         self.bytes_transferred = 0
-        # ReleaseKV leaves from a thread of its own: a gRPC future starts a channel thread,
-        # which must not be born on the engine thread mid-step (it would carry the compute name)
+        # ReleaseKV leaves from here: its gRPC channel thread must not start on the engine thread
         self._releases = ThreadPoolExecutor(1, thread_name_prefix=f"{role}-kv-release")
-        self._releases.submit(lambda: None)  # its thread starts here, not on the engine thread
+        self._releases.submit(lambda: None)  # (and neither must this thread)
 
     # -- destination bookkeeping ---------------------------------------------------------------
 
@@ -111,8 +110,7 @@ class GrpcKVReceiver(KVReceiver):
             self.pull_seconds.pop(request_id, None)
 
     def close(self) -> None:
-        """Stop the lease renewals, send the releases queued, drop every data path and close
-        every channel."""
+        """Stop the lease renewals, send queued releases, drop data paths, close channels."""
         self._renewer.stop()
         self._releases.shutdown(wait=True)
         with self._lock:
