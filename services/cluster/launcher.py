@@ -42,6 +42,7 @@ class ClusterSpec:
     start_timeout: float = 120.0  # seconds for each stage (workers, router) to become ready
     stop_timeout: float = 10.0  # seconds between SIGTERM and SIGKILL
     plan_line: str = ""  # the placement, logged at start
+    path_line: str = ""  # which prompts prefill where, logged at start
     prometheus_targets: str | None = None  # file_sd file once ready (emptied on a clean stop)
     model: str = ""  # the served model, the targets' `model` label
     core_ledger: str | None = None  # the workers' core ledger, created at start, removed at stop
@@ -49,8 +50,8 @@ class ClusterSpec:
 
     def prepare(self) -> list[str]:
         """Before the first child starts: create the core ledger. Returns the lines to log
-        (the placement, lending)."""
-        lines = [self.plan_line] if self.plan_line else []
+        (the placement, the serving paths, lending)."""
+        lines = [line for line in (self.plan_line, self.path_line) if line]
         if self.core_ledger:
             lines.append(create_core_ledger(self.core_ledger, self.home_cpus))
         return lines
@@ -115,11 +116,20 @@ def cluster_spec(config: ClusterConfig, plan: PlacementPlan | None = None) -> Cl
     def router(prefill: list[str], decode: list[str]) -> ChildSpec:
         return child_spec("router", "router", config.router_config(prefill, decode, plan))
 
+    paths = config.router_config([], [], plan)
+    path_line = f"serving path: --disaggregation {paths.disaggregation}" + (
+        f", prompts of at most {paths.max_local_prefill_tokens} tokens prefilled on their decode "
+        "worker, longer ones on the prefill pool"
+        if paths.disaggregation == "auto"
+        else ""
+    )
+
     return ClusterSpec(
         workers,
         router,
         start_timeout=config.start_timeout,
         plan_line=plan.describe() if plan else "placement: none (every process unpinned)",
+        path_line=path_line,
         prometheus_targets=config.prometheus_targets,
         model=config.engine.model,
         core_ledger=ledger,

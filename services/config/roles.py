@@ -88,9 +88,10 @@ class RouterConfig:
     """auto: prefill on the decode worker when the prompt's uncached part is at most
     max_local_prefill_tokens, else on the prefill pool; always: every prompt on the prefill
     pool; never: every prompt on its decode worker (colocated; no prefill worker needed)."""
-    max_local_prefill_tokens: int = 0
-    """auto: longest uncached prompt (tokens) prefilled on the decode worker (README: the
-    crossover benchmark behind this default)."""
+    max_local_prefill_tokens: int | None = None
+    """auto: longest uncached prompt (tokens) prefilled on the decode worker (None: 512 under
+    `pdserve serve`'s core lending, where that worker borrows the idle prefill CPUs, else 0;
+    docs/serving.md gives the benchmarks behind both)."""
     api_key: str | None = field(default=None, repr=False)
     """Clients must send it (HTTP `Authorization: Bearer KEY`, gRPC metadata `authorization`);
     /health and /metrics stay open (default: $PDSERVE_API_KEY, else none)."""
@@ -149,6 +150,8 @@ class RouterConfig:
             ("max_local_prefill_tokens", 0),
         ):
             value = getattr(self, name)
+            if name == "max_local_prefill_tokens" and value is None:
+                continue
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
             checks.check(ok, name, f"must be an integer >= {low}", value)
         checks.check(

@@ -1,5 +1,6 @@
 """`pdserve serve` lends idle workers' CPUs to busy ones (its default on CPUs). Under load, with
-lending happening, each worker's compute threads sampled about every millisecond never put two
+lending happening (every prompt prefilled remotely, so both workers lend and borrow), each
+worker's compute threads sampled about every millisecond never put two
 running compute threads on one CPU and never run on a CPU their worker does not hold (a lender
 computes nothing on its lent CPUs), and greedy outputs stay equal to the transformers
 reference."""
@@ -29,7 +30,7 @@ def test_lending_keeps_compute_threads_apart_and_outputs_exact(
     with (tmp_path / "serve.log").open("w") as stderr:
         serve = start(
             "serve", "--port", "0", "--no-http", "--kv-cache-bytes", str(64 << 20),
-            "--decode-cost-model", "off", stderr=stderr,
+            "--decode-cost-model", "off", "--max-local-prefill-tokens", "0", stderr=stderr,
         )  # fmt: skip
     try:
         ledger = serve.ready["core_ledger"]

@@ -58,7 +58,7 @@ class GenerateFlow:
         routing: Routing | None = None,
         max_queued_requests: int = RouterConfig.max_queued_requests,
         disaggregation: str = RouterConfig.disaggregation,
-        max_local_prefill_tokens: int = RouterConfig.max_local_prefill_tokens,
+        max_local_prefill_tokens: int = 0,
         migration: MigrationConfig | None = None,
     ) -> None:
         if not request_timeout > 0:
