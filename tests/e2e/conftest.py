@@ -30,6 +30,7 @@ def openai_cluster():
             "--max-queued-requests", str(MAX_QUEUED),
             "--read-timeout", str(READ_TIMEOUT_S),
             "--kv-cache-bytes", str(256 << 20),
+            "--max-local-prefill-tokens", "0",  # every prompt over the prefill pool and KV
         )  # fmt: skip
     finally:
         del os.environ["PDSERVE_API_KEY"]

@@ -31,7 +31,8 @@ def test_serve_over_each_kv_backend_matches_the_reference_and_grpc(
     with log.open("w") as stderr:
         serve = start(
             "serve", "--port", "0", "--no-http", "--num-prefill", "1", "--num-decode", "1",
-            "--kv-cache-bytes", str(64 << 20), "--kv-transfer-backend", flag, stderr=stderr,
+            "--kv-cache-bytes", str(64 << 20), "--kv-transfer-backend", flag,
+            "--max-local-prefill-tokens", "0", stderr=stderr,  # every prompt's KV moves
         )  # fmt: skip
     try:
         assert count_segments() == segments + (backend == "shared_memory")
