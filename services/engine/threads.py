@@ -101,8 +101,7 @@ def name_thread(name: str) -> None:
 def carrying_name(name: str, after: str) -> Iterator[None]:
     """The calling thread is named `name` meanwhile, then `after`. Threads it starts meanwhile
     start with `name`: its OpenMP team keeps it (what a /proc sampler tells compute threads by);
-    Python threads take their own names as they start (`name_python_threads`)."""
-    name_python_threads()
+    Python threads take their own once `name_python_threads` ran."""
     name_thread(name)
     try:
         yield

@@ -127,7 +127,7 @@ class CoreLedger:
     def reclaimed(self) -> bool:
         """Whether an owner wants back a CPU this worker borrowed (give it back after the step)."""
         with self._locked() as r:
-            return bool(((r[:, 2] == self.me) & (r[:, 1] != self.me) & (r[:, 3] != 0)).any())
+            return bool((self._borrowed(r) & (r[:, 3] != 0)).any())
 
     # -- what a worker does --------------------------------------------------------------------
 
@@ -145,12 +145,7 @@ class CoreLedger:
         """Take up to `limit` free CPUs of other workers that their owners do not want back
         (all of them when None). Returns the CPUs taken."""
         with self._locked() as r:
-            free = np.flatnonzero((r[:, 2] == NOBODY) & (r[:, 3] == 0) & (r[:, 1] != self.me))
-            taken = free[: len(free) if limit is None else max(limit, 0)]
-            r[taken, 2] = self.me
-            r[taken, 4] += 1
-            r[taken, 5] = self.pid
-            return self._cpus(taken)
+            return self._cpus(self._take(r, limit))
 
     def reclaim(self) -> list[int]:
         """This worker has work again: take back its free home CPUs at once and ask borrowers
@@ -172,14 +167,9 @@ class CoreLedger:
         `everything`: this worker has nothing left to compute on them). Call it between steps,
         with no compute thread running on them. Returns the CPUs released."""
         with self._locked() as r:
-            borrowed = (r[:, 2] == self.me) & (r[:, 1] != self.me)
+            borrowed = self._borrowed(r)
             going = borrowed if everything else borrowed & (r[:, 3] != 0)
-            owners_back = going & (r[:, 3] != 0)
-            r[going, 2] = NOBODY
-            r[owners_back, 2] = r[owners_back, 1]  # a reclaiming owner gets it at once
-            r[owners_back, 3] = 0
-            r[going, 4] += 1
-            r[going, 5] = 0
+            self._release(r, going)
             return self._cpus(going)
 
     def settle(self, give_back: bool, borrow: bool) -> list[int]:
@@ -187,23 +177,41 @@ class CoreLedger:
         borrowed CPUs whose owners reclaim them, then (when `borrow`) take every free CPU, and
         return the CPUs it holds now, in CPU order."""
         with self._locked() as r:
-            back = (r[:, 2] == self.me) & (r[:, 1] != self.me) & (r[:, 3] != 0) & give_back
-            r[back, 2], r[back, 3], r[back, 5] = r[back, 1], 0, 0  # the owner's at once
-            r[back, 4] += 1
+            if give_back:
+                self._release(r, self._borrowed(r) & (r[:, 3] != 0))
             if borrow:
-                free = (r[:, 2] == NOBODY) & (r[:, 3] == 0) & (r[:, 1] != self.me)
-                r[free, 2], r[free, 5] = self.me, self.pid
-                r[free, 4] += 1
+                self._take(r, None)
             return self._cpus(r[:, 2] == self.me)
+
+    # -- changes to the locked records -----------------------------------------------------------
+
+    def _borrowed(self, r: np.ndarray) -> np.ndarray:
+        """CPUs this worker holds and does not own."""
+        return (r[:, 2] == self.me) & (r[:, 1] != self.me)
+
+    def _take(self, r: np.ndarray, limit: int | None) -> np.ndarray:
+        """Hold up to `limit` (None: every) free CPU of another owner who does not want it
+        back; returns their rows."""
+        free = np.flatnonzero((r[:, 2] == NOBODY) & (r[:, 3] == 0) & (r[:, 1] != self.me))
+        taken = free[: len(free) if limit is None else max(limit, 0)]
+        r[taken, 2], r[taken, 5] = self.me, self.pid
+        r[taken, 4] += 1
+        return taken
+
+    def _release(self, r: np.ndarray, going: np.ndarray) -> None:
+        """Let go of the CPUs of mask `going`: free, or straight to an owner reclaiming it."""
+        owners_back = going & (r[:, 3] != 0)
+        r[going, 2], r[going, 5] = NOBODY, 0
+        r[owners_back, 2] = r[owners_back, 1]  # a reclaiming owner gets it at once
+        r[owners_back, 3] = 0
+        r[going, 4] += 1
 
     def recover(self) -> list[int]:
         """Give back what an earlier process of this worker borrowed (a restarted worker calls
         it first), and take back home CPUs whose borrower's process is gone (it died mid-lend:
         it can never give them back). Returns the home CPUs taken back from a dead holder."""
         with self._locked() as r:
-            stale = (r[:, 2] == self.me) & (r[:, 1] != self.me)
-            r[stale, 2], r[stale, 3], r[stale, 5] = NOBODY, 0, 0
-            r[stale, 4] += 1
+            self._release(r, self._borrowed(r))
             out = (r[:, 1] == self.me) & (r[:, 2] != self.me) & (r[:, 2] != NOBODY)
             dead = np.array([not _alive(int(pid)) for pid in r[:, 5]], dtype=bool) & out
             r[dead, 2], r[dead, 3], r[dead, 5] = self.me, 0, self.pid

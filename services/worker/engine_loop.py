@@ -23,8 +23,8 @@ from services.common import metrics
 from services.common.errors import ShuttingDownError
 from services.cost_model.step_log import StepLog, StepRecord
 from services.engine import Engine, SamplingParams
+from services.engine import threads as omp
 from services.engine.outputs import KVReserved, RequestOutput
-from services.engine.threads import carrying_name, pin_thread_team, set_thread_threads
 from services.kv_transfer.handle import KVHandle
 from services.worker.core_lending import CoreLending, NoLending
 from services.worker.worker_metrics import COUNTERS, publish_worker_metrics
@@ -36,8 +36,7 @@ T = TypeVar("T")
 
 POLL_SECONDS = 0.05  # how long an idle loop waits for a call before running its hooks again
 CALL_TIMEOUT_S = 60.0
-COMPUTE_THREAD_SUFFIX = "-step"  # the engine thread's Linux name while it steps ("decode-step"),
-# and its OpenMP team's (they inherit it): how a /proc sampler tells compute threads apart
+COMPUTE_THREAD_SUFFIX = "-step"  # named so while computing, with its team: /proc tells them apart
 
 
 class EngineLoop:
@@ -200,14 +199,15 @@ class EngineLoop:
 
     def _computing(self) -> AbstractContextManager[None]:
         """The engine thread carries its compute name ("decode-step") meanwhile."""
-        return carrying_name(self.role + COMPUTE_THREAD_SUFFIX, f"{self.role}-engine")
+        return omp.carrying_name(self.role + COMPUTE_THREAD_SUFFIX, f"{self.role}-engine")
 
     def _run(self) -> None:
+        omp.name_python_threads()  # a thread a step starts (a gRPC channel's) does not compute
         with self._computing():  # the OpenMP team starts here and keeps the compute name
             if self.threads is not None and self.cpus and self.threads <= len(self.cpus):
-                pin_thread_team(self.cpus[: self.threads])
+                omp.pin_thread_team(self.cpus[: self.threads])
             elif self.threads is not None:
-                set_thread_threads(self.threads)
+                omp.set_thread_threads(self.threads)
         try:
             while not self._stopped:
                 busy = self.engine.has_unfinished_requests()
