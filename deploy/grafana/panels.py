@@ -181,11 +181,13 @@ ROWS = (
                 "Serving path",
                 "reqps",
                 "How many requests are prefilled on the prefill pool (remote) and how many on "
-                "their decode worker (local, conditional disaggregation)?",
+                "their decode worker (local, conditional disaggregation), and why (mode, the "
+                "length rule, or the lower predicted TTFT)?",
                 (
                     Query(
-                        f"sum by (path) (rate(pdserve_requests_total{{{ROUTER}}}{RATE}))",
-                        "{{path}}",
+                        "sum by (path, reason) "
+                        f"(rate(pdserve_router_path_decisions_total{{{ROUTER}}}{RATE}))",
+                        "{{path}} ({{reason}})",
                     ),
                 ),
                 stacked=True,

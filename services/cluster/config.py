@@ -33,9 +33,6 @@ _POOL = (
     "core_ledger",
 )  # fmt: skip
 PLACEMENTS = ("auto", "none")
-# --max-local-prefill-tokens under core lending: W1 (256 / 64) met its objectives for 72% of
-# requests at 0.5 req/s prefilled locally, 38% remotely (docs/benchmarks.md, 2026-12-05)
-LENDING_LOCAL_PREFILL_TOKENS = 512
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,12 +192,8 @@ class ClusterConfig:
         self, prefill: list[str], decode: list[str], plan: PlacementPlan | None = None
     ) -> RouterConfig:
         """The router's config, pointed at the workers' gRPC addresses, on `plan`'s CPUs."""
-        local = self.router.max_local_prefill_tokens
-        if local is None:  # the decode worker borrows the idle prefill CPUs: short prompts stay
-            local = LENDING_LOCAL_PREFILL_TOKENS if self.lends_cores(plan) else 0
         return dataclasses.replace(
             self.router,
-            max_local_prefill_tokens=local,
             cpus=format_cpus(plan.router) if plan else None,
             model=self.engine.model,
             max_model_len=self.engine.max_model_len,

@@ -23,6 +23,7 @@ from services.cluster.config import ClusterConfig
 from services.cluster.placement import PlacementPlan, plan_placement, visible_gpus
 from services.config.handoff import to_json
 from services.config.roles import API_KEY_ENV
+from services.router.pool.serving_path import ServingPaths
 from services.worker.core_ledger import CoreLedger, worker_name
 from services.worker.cpus import parse_cpu_list
 
@@ -116,13 +117,8 @@ def cluster_spec(config: ClusterConfig, plan: PlacementPlan | None = None) -> Cl
     def router(prefill: list[str], decode: list[str]) -> ChildSpec:
         return child_spec("router", "router", config.router_config(prefill, decode, plan))
 
-    paths = config.router_config([], [], plan)
-    path_line = f"serving path: --disaggregation {paths.disaggregation}" + (
-        f", prompts of at most {paths.max_local_prefill_tokens} tokens prefilled on their decode "
-        "worker, longer ones on the prefill pool"
-        if paths.disaggregation == "auto"
-        else ""
-    )
+    paths = ServingPaths(config.router.disaggregation, config.router.max_local_prefill_tokens)
+    path_line = f"serving path: {paths.describe(ledger is not None)}"
 
     return ClusterSpec(
         workers,

@@ -217,6 +217,18 @@ REQUESTS_BY_PATH = Counter(
     "(prefilled on the decode worker).",
     ["role", "path"],
 )
+PATH_DECISIONS = Counter(
+    "pdserve_router_path_decisions",
+    "Serving-path decisions by path and reason: mode (--disaggregation always/never), length "
+    "(the prompt-length rule: no fitted costs) or predicted (the lower predicted TTFT).",
+    ["role", "path", "reason"],
+)
+PATH_CALIBRATION = Gauge(
+    "pdserve_router_path_calibration_ratio",
+    "Observed over predicted seconds to the first token of predicted serving-path choices, per "
+    "path (a weighted mean; the factor the router scales that path's next predictions by).",
+    ["role", "path"],
+)
 CORES_HELD = Gauge(
     "pdserve_cores_held",
     "CPUs this worker's engine computes on now (core lending: its own it has not lent, plus "

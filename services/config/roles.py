@@ -85,13 +85,14 @@ class RouterConfig:
     max_n: int = 16
     """Most sequences one request may ask for (OpenAI's `n`), per prompt."""
     disaggregation: str = field(default="auto", metadata=flag(choices=DISAGGREGATION_MODES))
-    """auto: prefill on the decode worker when the prompt's uncached part is at most
-    max_local_prefill_tokens, else on the prefill pool; always: every prompt on the prefill
-    pool; never: every prompt on its decode worker (colocated; no prefill worker needed)."""
+    """auto: each prompt prefilled where its predicted TTFT is lower, on its decode worker or
+    the prefill pool (see max_local_prefill_tokens); always: every prompt on the prefill pool;
+    never: every prompt on its decode worker (colocated; no prefill worker needed)."""
     max_local_prefill_tokens: int | None = None
-    """auto: longest uncached prompt (tokens) prefilled on the decode worker (None: 512 under
-    `pdserve serve`'s core lending, where that worker borrows the idle prefill CPUs, else 0;
-    docs/serving.md gives the benchmarks behind both)."""
+    """auto: longest prompt (tokens) prefilled on the decode worker, a fixed length rule. None:
+    under `pdserve serve`'s core lending, the path of lower predicted TTFT from the workers'
+    fitted step costs and the load (512 tokens until the workers report costs); without lending
+    0 (docs/serving.md "Serving paths" gives the benchmarks behind each)."""
     api_key: str | None = field(default=None, repr=False)
     """Clients must send it (HTTP `Authorization: Bearer KEY`, gRPC metadata `authorization`);
     /health and /metrics stay open (default: $PDSERVE_API_KEY, else none)."""

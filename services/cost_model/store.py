@@ -4,6 +4,7 @@ planner read it)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ from services.env import cache_dir
 FORMAT = 2  # 2: context per thread (step_cost.FEATURES)
 
 
+@functools.cache  # the CPU does not change under a running process
 def machine_id() -> str:
     """This machine's CPU as the cost model knows it: the model name and a digest of the CPU
     flags (a model fitted on an AVX-512 CPU says nothing of an AVX2-only one)."""
@@ -93,3 +95,27 @@ def load(key: CostModelKey, root: Path | None = None) -> list[StepCost]:
     return [
         StepCost(t, tuple(c)) for t, c in sorted((int(t), c) for t, c in body["threads"].items())
     ]
+
+
+def to_json(costs: list[StepCost]) -> str:
+    """`costs` as the compact JSON a worker reports in `WorkerInfo.step_costs_json` ("" for
+    none): {"features": [...], "threads": {"N": [coefficients]}}."""
+    if not costs:
+        return ""
+    threads = {str(c.threads): list(c.coefficients) for c in sorted(costs, key=lambda c: c.threads)}
+    return json.dumps({"features": list(FEATURES), "threads": threads}, separators=(",", ":"))
+
+
+def from_json(text: str) -> dict[int, StepCost]:
+    """The step costs by thread count of a `to_json` text ({} for ""). ValueError naming
+    `step_costs_json` for malformed text or another feature set."""
+    if not text:
+        return {}
+    try:
+        body = json.loads(text)
+        if body["features"] != list(FEATURES):
+            raise ValueError(f"fitted on features {body['features']}, not {list(FEATURES)}")
+        costs = [StepCost(int(t), tuple(float(x) for x in c)) for t, c in body["threads"].items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"step_costs_json: {exc}") from None
+    return {c.threads: c for c in costs}

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from services.cost_model.step_cost import StepCost, StepShape
 
 MIN_CHUNK_TOKENS = 16  # a prompt always advances, even when a decode step alone misses the ITL
+BORROWED_STEP_TOKENS = 256
+"""Most prompt tokens a step may take while it runs on CPUs borrowed from another worker
+(`services/worker/core_lending.py`): the owner waits at most one such step for them."""
 
 
 @dataclass(frozen=True)

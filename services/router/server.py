@@ -127,7 +127,7 @@ def build_flow(config: RouterConfig, dynamic: bool = False) -> GenerateFlow:
         routing,
         config.max_queued_requests,
         config.disaggregation,
-        config.max_local_prefill_tokens or 0,
+        config.max_local_prefill_tokens,
         config.migration,
     )
 

@@ -29,12 +29,12 @@ from services.common import metrics
 from services.cost_model import store
 from services.cost_model.step_cost import StepCost
 from services.engine import Engine
+from services.engine.step_budget import BORROWED_STEP_TOKENS
 from services.engine.threads import pin_thread_team, set_thread_threads
 from services.worker.core_ledger import CoreLedger, worker_name
 
 logger = logging.getLogger(__name__)
 
-BORROWED_STEP_TOKENS = 256  # prompt tokens a step may take while it runs on borrowed CPUs
 RECLAIM_POLL_S = 0.001  # how often an owner waiting for its CPUs looks at the ledger (each look
 # runs on the CPU it waits for, beside the borrower's compute: rarely)
 RECLAIM_TIMEOUT_S = 10.0  # then the borrower is taken for dead (`CoreLedger.recover`)

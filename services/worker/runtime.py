@@ -26,6 +26,7 @@ from services.engine.outputs import RequestOutput
 from services.worker.core_lending import open_lending
 from services.worker.cpus import format_cpus
 from services.worker.engine_loop import EngineLoop
+from services.worker.step_cost import saved_costs_json
 
 W = TypeVar("W", bound=WorkerConfig)
 
@@ -76,6 +77,7 @@ def worker_info(loop: EngineLoop, config: WorkerConfig) -> common_pb2.WorkerInfo
             model_id=engine.model_id,
             prefix_cache_queries=engine.scheduler.prefix_cache_queries,
             prefix_cache_hits=engine.scheduler.prefix_cache_hits,
+            step_costs_json=saved_costs_json(engine),
         )
 
     return loop.call(snapshot)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from services.cost_model import store
 from services.cost_model.step_cost import StepCost
@@ -19,6 +20,7 @@ from services.engine import Engine
 from services.engine.file_lock import file_lock
 
 logger = logging.getLogger(__name__)
+_reported: dict[Path, tuple[int, str]] = {}  # cost file -> (its mtime_ns, its JSON) as last read
 
 
 def settle_step_cost(engine: Engine, threads: int, mode: str = "auto") -> StepCost | None:
@@ -84,3 +86,23 @@ def _profile(engine: Engine, key: store.CostModelKey, threads: int) -> StepCost 
         "the full sweep)", threads, time.perf_counter() - started,
     )  # fmt: skip
     return result.cost
+
+
+def saved_costs_json(engine: Engine) -> str:
+    """The step costs saved for `engine`'s machine, dtype and model, every thread count, as
+    `WorkerInfo.step_costs_json` reports them ("" when none or unreadable); the file is read
+    again only when it changed (GetInfo asks every health check)."""
+    key = engine.cost_model_key()
+    path = key.path()
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return ""
+    cached = _reported.get(path)
+    if cached is None or cached[0] != stamp:
+        try:
+            text = store.to_json(store.load(key))
+        except (OSError, ValueError):
+            text = ""
+        cached = _reported[path] = (stamp, text)
+    return cached[1]

@@ -376,6 +376,9 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
                 decode_queue=0.03125,
                 first_decode_step=0.015625,
                 path="remote",
+                path_reason="predicted",
+                predicted_ttft_local=0.75,
+                predicted_ttft_remote=0.5,
             ),  # fmt: skip
         )
 
@@ -439,6 +442,9 @@ def test_generate_json(fake_router, capsys):
             "path": "remote",
             "migrations": 0,
             "migration": 0.0,
+            "path_reason": "predicted",
+            "predicted_ttft_local": 0.75,
+            "predicted_ttft_remote": 0.5,
         },
     }
     request = servicer.requests[-1]

@@ -79,8 +79,9 @@ def test_workers_of_a_cpu_plan_share_a_core_ledger_unless_told_not_to():
         ClusterConfig(core_lending="yes")
 
 
-def test_short_prompts_prefill_on_the_decode_worker_under_core_lending():
-    from services.cluster.config import LENDING_LOCAL_PREFILL_TOKENS
+def test_serve_logs_its_serving_path_rule():
+    """The router decides each prompt's path itself (`serving_path.py`): serve passes
+    --max-local-prefill-tokens through and logs the rule it runs."""
     from services.cluster.launcher import cluster_spec
     from services.cluster.placement import plan_placement
 
@@ -88,16 +89,18 @@ def test_short_prompts_prefill_on_the_decode_worker_under_core_lending():
     if len(cpus) < 2:
         pytest.skip("needs two CPUs")
     plan = plan_placement(cpus[:2], 1, 1)
-    lending = ClusterConfig().router_config([], [], plan)
-    assert lending.max_local_prefill_tokens == LENDING_LOCAL_PREFILL_TOKENS
-    fixed = ClusterConfig(core_lending=False).router_config([], [], plan)
-    assert fixed.max_local_prefill_tokens == 0  # one decode core: the crossover says remote
+    assert ClusterConfig().router_config([], [], plan).max_local_prefill_tokens is None
     given = ClusterConfig(router=RouterConfig(max_local_prefill_tokens=64))
     assert given.router_config([], [], plan).max_local_prefill_tokens == 64
-    assert RouterConfig().max_local_prefill_tokens is None  # a router alone: 0 (server.py)
-    spec = cluster_spec(ClusterConfig(), plan)
-    try:
-        logged = " ".join(spec.prepare())
-    finally:
-        spec.clean_up()
-    assert "prompts of at most 512 tokens prefilled on their decode worker" in logged
+    for config, expected in (
+        (ClusterConfig(), "each prompt where its predicted TTFT is lower"),
+        (given, "prompts of at most 64 tokens prefilled on their decode worker"),
+        (ClusterConfig(core_lending=False), "every prompt prefilled on the prefill pool"),
+        (ClusterConfig(router=RouterConfig(disaggregation="never")), "--disaggregation never"),
+    ):
+        spec = cluster_spec(config, plan)
+        try:
+            logged = " ".join(spec.prepare())
+        finally:
+            spec.clean_up()
+        assert expected in logged, (config, logged)

@@ -100,7 +100,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "engine_id", "model", "kv_layout", "max_model_len", "vocab_size", "num_blocks", "num_free_blocks", "num_pinned_blocks", "num_running", "num_waiting", "num_prompt_tokens_computed", "max_step_tokens_per_request", "num_cached_blocks", "model_id", "config_json", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("role", "engine_id", "model", "kv_layout", "max_model_len", "vocab_size", "num_blocks", "num_free_blocks", "num_pinned_blocks", "num_running", "num_waiting", "num_prompt_tokens_computed", "max_step_tokens_per_request", "num_cached_blocks", "model_id", "config_json", "prefix_cache_queries", "prefix_cache_hits", "step_costs_json")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class WorkerInfo(_message.Message):
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    STEP_COSTS_JSON_FIELD_NUMBER: _ClassVar[int]
     role: str
     engine_id: str
     model: str
@@ -137,4 +138,5 @@ class WorkerInfo(_message.Message):
     config_json: str
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., max_step_tokens_per_request: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., model_id: _Optional[str] = ..., config_json: _Optional[str] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    step_costs_json: str
+    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., model: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., max_step_tokens_per_request: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., model_id: _Optional[str] = ..., config_json: _Optional[str] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., step_costs_json: _Optional[str] = ...) -> None: ...

@@ -56,7 +56,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("ttft", "e2e", "tokenize", "prefill", "kv_transfer", "decode", "router_queue", "prefill_queue", "decode_queue", "first_decode_step", "path", "migrations", "migration")
+    __slots__ = ("ttft", "e2e", "tokenize", "prefill", "kv_transfer", "decode", "router_queue", "prefill_queue", "decode_queue", "first_decode_step", "path", "migrations", "migration", "path_reason", "predicted_ttft_local", "predicted_ttft_remote")
     TTFT_FIELD_NUMBER: _ClassVar[int]
     E2E_FIELD_NUMBER: _ClassVar[int]
     TOKENIZE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,9 @@ class Timings(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_FIELD_NUMBER: _ClassVar[int]
+    PATH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_REMOTE_FIELD_NUMBER: _ClassVar[int]
     ttft: float
     e2e: float
     tokenize: float
@@ -83,7 +86,10 @@ class Timings(_message.Message):
     path: str
     migrations: int
     migration: float
-    def __init__(self, ttft: _Optional[float] = ..., e2e: _Optional[float] = ..., tokenize: _Optional[float] = ..., prefill: _Optional[float] = ..., kv_transfer: _Optional[float] = ..., decode: _Optional[float] = ..., router_queue: _Optional[float] = ..., prefill_queue: _Optional[float] = ..., decode_queue: _Optional[float] = ..., first_decode_step: _Optional[float] = ..., path: _Optional[str] = ..., migrations: _Optional[int] = ..., migration: _Optional[float] = ...) -> None: ...
+    path_reason: str
+    predicted_ttft_local: float
+    predicted_ttft_remote: float
+    def __init__(self, ttft: _Optional[float] = ..., e2e: _Optional[float] = ..., tokenize: _Optional[float] = ..., prefill: _Optional[float] = ..., kv_transfer: _Optional[float] = ..., decode: _Optional[float] = ..., router_queue: _Optional[float] = ..., prefill_queue: _Optional[float] = ..., decode_queue: _Optional[float] = ..., first_decode_step: _Optional[float] = ..., path: _Optional[str] = ..., migrations: _Optional[int] = ..., migration: _Optional[float] = ..., path_reason: _Optional[str] = ..., predicted_ttft_local: _Optional[float] = ..., predicted_ttft_remote: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage", "timings", "logprobs")

@@ -3,35 +3,61 @@ watchdog, the migration policy and the serving-path rule. Built once by `Generat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from services.common import metrics
+from services.common.errors import ServiceUnavailableError
 from services.config.migration import MigrationConfig
 from services.router.flow.prompt import ModelInfo
 from services.router.flow.watchdog import StallWatchdog
 from services.router.pool.routing import Routing
+from services.router.pool.serving_path import PathCalibration, PathChoice, PathLoad, ServingPaths
 from services.router.pool.worker_pool import WorkerPool
 
 
 @dataclass(frozen=True)
 class FlowContext:
-    """The router's collaborators a `RequestRun` uses; `disaggregation` and
-    `max_local_prefill_tokens` are `--disaggregation` and `--max-local-prefill-tokens`."""
+    """The router's collaborators a `RequestRun` uses; `paths` is `--disaggregation` and
+    `--max-local-prefill-tokens`, `calibration` what the router has seen of its predictions."""
 
     model: ModelInfo
     pool: WorkerPool
     routing: Routing
     watchdog: StallWatchdog
     migration: MigrationConfig
-    disaggregation: str
-    max_local_prefill_tokens: int
+    paths: ServingPaths
+    calibration: PathCalibration = field(default_factory=PathCalibration)
 
-    def path_for(self, num_prompt_tokens: int) -> str:
-        """ "local" (prefill on the decode worker) or "remote" (on the prefill pool) for a prompt
-        (`--disaggregation`). The router has no view of the decode workers' prefix caches, so
-        `auto` counts the whole prompt as uncached: a long prompt whose prefix a decode worker
-        holds still goes to the prefill pool (whose cache the index does see)."""
-        if self.disaggregation == "never":
-            return "local"
-        if self.disaggregation == "always":
-            return "remote"
-        return "local" if num_prompt_tokens <= self.max_local_prefill_tokens else "remote"
+    def choose_path(self, prompt_ids: Sequence[int], cache_salt: str = "") -> PathChoice:
+        """The serving path of a prompt (`serving_path.py`), from the workers routing would
+        pick now and what this router has in flight on them. A local choice names its decode
+        worker (`PathChoice.decode`), which the request then takes."""
+        if self.paths.disaggregation != "auto":
+            return self.paths.choose(PathLoad(len(prompt_ids)), None, None)
+        try:
+            prefill, cached = self.routing.peek_prefill(prompt_ids, cache_salt)
+            decode = self.routing.peek_decode()
+        except ServiceUnavailableError:  # a pool without workers: the length rule says which
+            return self.paths.choose(PathLoad(len(prompt_ids)), None, None)
+        routing = self.routing
+        load = PathLoad(
+            len(prompt_ids),
+            prefill_cached=cached,
+            prefill_queued=routing.queued_tokens[prefill],
+            decode_rows=routing.in_flight[decode],
+            decode_context=routing.decode_context[decode],
+            local_queued=routing.local_queued[decode],
+        )
+        views = self.pool.view(prefill), self.pool.view(decode)
+        choice = self.paths.choose(load, *views, self.calibration)
+        return choice.on(decode) if choice.path == "local" else choice
+
+    def first_token(self, choice: PathChoice, seconds: float) -> None:
+        """A request reached its first token `seconds` after `choice` was made: a predicted
+        choice's path calibrates the next predictions (`PathCalibration`)."""
+        predicted = choice.local_s if choice.path == "local" else choice.remote_s
+        if choice.reason == "predicted" and predicted is not None:
+            self.calibration.observe(choice.path, predicted / choice.scale, seconds)
+            ratio = self.calibration.scale(choice.path)
+            metrics.PATH_CALIBRATION.labels("router", choice.path).set(ratio)

@@ -31,6 +31,7 @@ from services.router.flow.run import RequestRun
 from services.router.flow.siblings import Siblings
 from services.router.flow.watchdog import StallWatchdog
 from services.router.pool.routing import Routing
+from services.router.pool.serving_path import ServingPaths
 from services.router.pool.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class GenerateFlow:
         routing: Routing | None = None,
         max_queued_requests: int = RouterConfig.max_queued_requests,
         disaggregation: str = RouterConfig.disaggregation,
-        max_local_prefill_tokens: int = 0,
+        max_local_prefill_tokens: int | None = None,
         migration: MigrationConfig | None = None,
     ) -> None:
         if not request_timeout > 0:
@@ -80,8 +81,7 @@ class GenerateFlow:
             routing,
             self.watchdog,
             migration,
-            disaggregation,
-            max_local_prefill_tokens,
+            ServingPaths(disaggregation, max_local_prefill_tokens),
         )
         """The model, pool, routing and policies each request's run uses (held once, here)."""
 
@@ -121,10 +121,6 @@ class GenerateFlow:
         for scope in scopes:
             scope.cancel(ServiceUnavailableError(reason))
         return len(scopes)
-
-    def path_for(self, num_prompt_tokens: int) -> str:
-        """The serving path for a prompt of that many tokens (`FlowContext.path_for`)."""
-        return self.context.path_for(num_prompt_tokens)
 
     def deadline_for(self, time_remaining: float | None) -> float:
         """Absolute `time.monotonic()` deadline for a client with `time_remaining` seconds left
@@ -206,11 +202,15 @@ def _log_finished(output: GenerationOutput) -> None:
     """One INFO line per finished sequence (its request id is on the record)."""
     timings, usage = output.timings, output.usage
     assert timings is not None and usage is not None  # the last output carries both
+    path = f"{timings.path} ({timings.path_reason}"
+    if timings.path_reason == "predicted":
+        path += f": TTFT local {timings.predicted_ttft_local:.3f}s"
+        path += f", remote {timings.predicted_ttft_remote:.3f}s"
     logger.info(
-        "request finished: %s, path=%s, prompt_tokens=%d, completion_tokens=%d, "
+        "request finished: %s, path=%s), prompt_tokens=%d, completion_tokens=%d, "
         "cached_tokens=%d, ttft=%.3fs, e2e=%.3fs",
         output.finish_reason,
-        timings.path,
+        path,
         usage.prompt_tokens,
         usage.completion_tokens,
         usage.cached_tokens,

@@ -101,6 +101,11 @@ class Timings:
     migrations: int
     """Times the stream moved to another worker."""
     migration: float
+    path_reason: str = "mode"
+    """Why `path` (`serving_path.MODES`): --disaggregation, the length rule, or predicted."""
+    predicted_ttft_local: float = 0.0
+    """With path_reason "predicted": each path's predicted TTFT (seconds), else 0."""
+    predicted_ttft_remote: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import grpc
 
 from services.common import metrics
 from services.router.flow.messages import Timings, Usage
+from services.router.pool.serving_path import MODES, PATHS, PathChoice
 
 ROLE = "router"
 LEGS = (
@@ -36,7 +37,6 @@ LEGS = (
     "first_decode_step",
     "decode",
 )
-PATHS = ("remote", "local")
 
 
 def create_series() -> None:
@@ -47,6 +47,9 @@ def create_series() -> None:
         metrics.REQUEST_LEG_TIME.labels(ROLE, leg)
     for path in PATHS:
         metrics.REQUESTS_BY_PATH.labels(ROLE, path)
+        metrics.PATH_CALIBRATION.labels(ROLE, path).set(1.0)
+        for reason in MODES:
+            metrics.PATH_DECISIONS.labels(ROLE, path, reason)
 
 
 @dataclass
@@ -57,6 +60,8 @@ class RequestStats:
     """When the request was received (time.monotonic seconds)."""
     path: str = "remote"
     """"remote" (prefilled on the prefill pool) or "local" (on its decode worker)."""
+    choice: PathChoice | None = None
+    """Why `path`, with each path's predicted TTFT when predicted."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     """Prompt tokens the prefill worker took from its prefix cache."""
@@ -88,10 +93,11 @@ class RequestStats:
         """The router starts working on the request (its flow thread picked it up)."""
         self.router_queue = time.monotonic() - self.start
 
-    def on_path(self, path: str) -> None:
-        """The request takes `path` ("remote" or "local"); counted once per request."""
-        self.path = path
-        metrics.REQUESTS_BY_PATH.labels(ROLE, path).inc()
+    def on_path(self, choice: PathChoice) -> None:
+        """The request takes `choice.path` ("remote" or "local"); counted once per request."""
+        self.path, self.choice = choice.path, choice
+        metrics.REQUESTS_BY_PATH.labels(ROLE, choice.path).inc()
+        metrics.PATH_DECISIONS.labels(ROLE, choice.path, choice.reason).inc()
 
     def on_tokenized(self, prompt_tokens: int, seconds: float) -> None:
         self.prompt_tokens, self.tokenize = prompt_tokens, seconds
@@ -217,6 +223,9 @@ class RequestStats:
             path=self.path,
             migrations=self.migrations,
             migration=self.migration,
+            path_reason=self.choice.reason if self.choice else "mode",
+            predicted_ttft_local=(self.choice and self.choice.local_s) or 0.0,
+            predicted_ttft_remote=(self.choice and self.choice.remote_s) or 0.0,
         )
 
 

@@ -38,6 +38,7 @@ from services.router.flow.responses import delta_output, final_output
 from services.router.flow.siblings import Siblings
 from services.router.flow.text_stream import TextStream
 from services.router.flow.watchdog import Watch
+from services.router.pool.serving_path import PathChoice
 from services.router.pool.worker_calls import DecodeStream, RemoteKV, WorkerRequest, start_decode
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,9 @@ class RequestRun:
         self.engine_request_id = request.request_id  # the workers' id (one per attempt)
         self.prefill_address = ""
         self.kv: RemoteKV | None = None  # the pinned prompt KV, once prefilled
+        self.choice = PathChoice("remote", "mode")  # the serving path (`choose_path`)
+        self.chosen_at = 0.0  # when it was chosen (time.monotonic seconds)
+        self.local_tokens = 0  # prompt tokens the decode worker is prefilling locally for us
         self.prefill = PrefillCall(
             context, scope, self.stats, self._remaining, self._release_kv, siblings, leader
         )
@@ -75,7 +79,9 @@ class RequestRun:
     def outputs(self) -> Iterator[GenerationOutput]:
         self.stats.on_started()
         prepared = self._prepare()
-        self.stats.on_path(self.context.path_for(len(prepared.prompt_token_ids)))
+        self.choice = self.context.choose_path(prepared.prompt_token_ids, prepared.cache_salt)
+        self.chosen_at = time.monotonic()
+        self.stats.on_path(self.choice)
         text = TextStream(self.context.model.tokenizer, prepared.prompt_token_ids, prepared.stop)
         try:
             while True:
@@ -97,12 +103,15 @@ class RequestRun:
         self.kv_landed = False
         if resumed:
             self.engine_request_id = f"{prepared.request_id}-m{self.stats.migrations}"
-        num_context = len(prepared.prompt_token_ids) + len(resumed)
-        path = self.context.path_for(num_context) if resumed else self.stats.path
-        if path == "local":  # the decode worker prefills it: no KV to ship
+        if resumed:  # the prompt and the tokens streamed so far, where they now fit best
+            context = [*prepared.prompt_token_ids, *resumed]
+            self.choice = self.context.choose_path(context, prepared.cache_salt)
+        if self.choice.path == "local":  # the decode worker prefills it: no KV to ship
             yield from self._decode(prepared, None, text, resumed)
             return
         prefill = self.prefill.run(prepared, resumed, self.engine_request_id)
+        if not resumed:
+            self.context.first_token(self.choice, time.monotonic() - self.chosen_at)
         self.prefill_address = self.prefill.prefill_address
         self.kv = prefill.kv
         # from here on the prefill worker may hold pinned KV for this request
@@ -192,10 +201,14 @@ class RequestRun:
         without `kv`, the decode worker prefills the prompt (+ `resumed`) itself (the
         local path). Raises WorkerLost when the decode worker (or the KV's source) fails."""
         self.stats.on_decode_started()  # a sibling's wait for the leader's KV is decode queue
-        prefer = None
+        prefer = self.choice.decode if kv is None else None  # where the local path was predicted
         if self.siblings is not None and not self.leader and not resumed:
             prefer = self.siblings.decode_worker(self._remaining())
-        address = self.context.routing.pick_decode(prefer)
+        routing = self.context.routing
+        num_context = len(prepared.prompt_token_ids) + len(resumed)
+        address = routing.pick_decode(prefer, num_context)
+        self.local_tokens = num_context if kv is None else 0  # prefilling there until it lands
+        routing.local_prefill(address, self.local_tokens)
         request = WorkerRequest(
             self.engine_request_id,
             prepared.prompt_token_ids,
@@ -224,7 +237,8 @@ class RequestRun:
                 self.scope.untrack(call)
                 call.cancel()  # no-op once the stream has completed; frees the worker otherwise
         finally:
-            self.context.routing.decode_done(address)
+            routing.decode_done(address, num_context)
+            routing.local_prefill(address, -self.local_tokens)
 
     def _stream_decode(
         self,
@@ -240,6 +254,10 @@ class RequestRun:
                 self.kv_landed = True
                 if kv is None:  # this reply carries the first token
                     self.stats.on_local_prefill(reply.compute_seconds, reply.num_cached_tokens)
+                    if not self.stats.migrations:
+                        self.context.first_token(self.choice, time.monotonic() - self.chosen_at)
+                    self.context.routing.local_prefill(address, -self.local_tokens)
+                    self.local_tokens = 0
                 else:
                     self.stats.on_first_decode(reply.kv_transfer_seconds, reply.compute_seconds)
                 if self.siblings is not None and self.leader:

@@ -66,6 +66,8 @@ class Routing:
         # (decode).
         self.queued_tokens: defaultdict[str, int] = defaultdict(int)
         self.in_flight: defaultdict[str, int] = defaultdict(int)
+        self.decode_context: defaultdict[str, int] = defaultdict(int)  # their context tokens
+        self.local_queued: defaultdict[str, int] = defaultdict(int)  # local prefills' tokens
         self._index_down = False
         self._turns = {"prefill": 0, "decode": 0}
 
@@ -89,26 +91,33 @@ class Routing:
         candidates = self._rotated(self.pool.healthy_prefill(), "prefill")
         if prefer in candidates:
             candidates = [prefer]
-        if self.policy == "round_robin":
-            address, expected = candidates[0], 0
-        else:
-            matched = (
-                self._matched_tokens(candidates, prompt_ids, cache_salt)
-                if self.policy == "kv"
-                else {}
-            )
-            with self._lock:
-                address = min(
-                    candidates,
-                    key=lambda a: (
-                        len(prompt_ids) - matched.get(a, 0) + self.queued_tokens[a],
-                        self.queued_tokens[a],
-                    ),
-                )
-            expected = matched.get(address, 0)
+        address, expected = self._best_prefill(candidates, prompt_ids, cache_salt)
         with self._lock:
             self.queued_tokens[address] += len(prompt_ids)
         return address, expected
+
+    def peek_prefill(self, prompt_ids: Sequence[int], cache_salt: str = "") -> tuple[str, int]:
+        """What `pick_prefill` would answer now, without taking the worker. Raises
+        ServiceUnavailableError when no prefill worker is configured."""
+        return self._best_prefill(self.pool.healthy_prefill(), prompt_ids, cache_salt)
+
+    def _best_prefill(
+        self, candidates: list[str], prompt_ids: Sequence[int], cache_salt: str
+    ) -> tuple[str, int]:
+        if self.policy == "round_robin":
+            return candidates[0], 0
+        matched = (
+            self._matched_tokens(candidates, prompt_ids, cache_salt) if self.policy == "kv" else {}
+        )
+        with self._lock:
+            address = min(
+                candidates,
+                key=lambda a: (
+                    len(prompt_ids) - matched.get(a, 0) + self.queued_tokens[a],
+                    self.queued_tokens[a],
+                ),
+            )
+        return address, matched.get(address, 0)
 
     def prefill_done(self, address: str, num_prompt_tokens: int) -> None:
         with self._lock:
@@ -160,22 +169,42 @@ class Routing:
 
     # -- decode --------------------------------------------------------------------------------
 
-    def pick_decode(self, prefer: str | None = None) -> str:
-        """A decode worker (`prefer` while it is healthy); the caller must call
-        `decode_done(address)` when its stream ends."""
+    def pick_decode(self, prefer: str | None = None, context_tokens: int = 0) -> str:
+        """A decode worker (`prefer` while it is healthy) for a stream of `context_tokens`
+        (prompt and tokens resumed); the caller must call `decode_done(address,
+        context_tokens)` when its stream ends."""
         candidates = self._rotated(self.pool.healthy_decode(), "decode")
         if prefer in candidates:
             candidates = [prefer]
-        if self.policy == "round_robin":
-            address = candidates[0]
-        else:
-            free = self.pool.decode_free_blocks()
-            with self._lock:
-                address = min(candidates, key=lambda a: (self.in_flight[a], -free.get(a, 0)))
+        address = self._best_decode(candidates)
         with self._lock:
             self.in_flight[address] += 1
+            self.decode_context[address] += context_tokens
         return address
 
-    def decode_done(self, address: str) -> None:
+    def peek_decode(self) -> str:
+        """What `pick_decode` would answer now (round robin: the next in turn), without taking
+        the worker. Raises ServiceUnavailableError when no decode worker is configured."""
+        candidates = self.pool.healthy_decode()
+        if self.policy == "round_robin":
+            with self._lock:
+                return candidates[self._turns["decode"] % len(candidates)]
+        return self._best_decode(candidates)
+
+    def _best_decode(self, candidates: list[str]) -> str:
+        if self.policy == "round_robin":
+            return candidates[0]
+        free = self.pool.decode_free_blocks()
+        with self._lock:
+            return min(candidates, key=lambda a: (self.in_flight[a], -free.get(a, 0)))
+
+    def decode_done(self, address: str, context_tokens: int = 0) -> None:
         with self._lock:
             self.in_flight[address] -= 1
+            self.decode_context[address] -= context_tokens
+
+    def local_prefill(self, address: str, tokens: int) -> None:
+        """`tokens` prompt tokens start (> 0) or end (< 0) prefilling on decode worker
+        `address` (the local path; `serving_path.PathLoad.local_queued`)."""
+        with self._lock:
+            self.local_queued[address] += tokens

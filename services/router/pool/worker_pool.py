@@ -7,12 +7,12 @@ service "") every `interval_s` seconds: a worker that fails HEALTH_FAILURES chec
 SERVING answer within `timeout_s`: dead, hung, or draining after SIGTERM) gets no new requests
 until it answers again. If every worker of a role is out, requests go to all of them anyway
 (fail open: the call itself then says what is wrong). The same thread reads each decode worker's
-free KV blocks (GetInfo) for the routing policy.
+free KV blocks and every worker's view (`serving_path.WorkerView`: threads, fitted step costs;
+GetInfo) for routing and the serving path.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -24,25 +24,14 @@ from services.common import metrics
 from services.common.channels import ChannelCache, check_address, health_serving
 from services.common.errors import ServiceUnavailableError
 from services.common.pb import common_pb2, worker_pb2_grpc
-from services.engine.config import EngineConfig
+from services.router.pool.serving_path import WorkerView
 
 CAPACITY_TIMEOUT_S = 5.0
 CAPACITY_RETRY_S = 10.0
 HEALTH_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
-HEALTH_FAILURES = (
-    2  # consecutive failed checks before a worker is taken out (one slow answer is not enough)
-)
-DEFAULT_MAX_NUM_SEQS = EngineConfig.max_num_seqs
+HEALTH_FAILURES = 2  # failed checks in a row before a worker is out (one slow answer is not)
 logger = logging.getLogger(__name__)
-
-
-def _max_num_seqs(info: common_pb2.WorkerInfo) -> int:
-    """The engine's max_num_seqs from a worker's effective config (`WorkerInfo.config_json`)."""
-    try:
-        return int(json.loads(info.config_json)["engine"]["max_num_seqs"])
-    except (ValueError, KeyError, TypeError):
-        return DEFAULT_MAX_NUM_SEQS
 
 
 class WorkerPool:
@@ -71,14 +60,13 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._channels = ChannelCache()
         self._capacity: dict[str, int] = {}  # address -> tokens of KV one request can hold there
-        self._capacity_retry_at: dict[
-            str, float
-        ] = {}  # address -> when to ask again after a failure
+        self._capacity_retry_at: dict[str, float] = {}  # address -> when to ask again
         self.unhealthy: set[str] = set()  # addresses taken out of routing
         self._marked_at: dict[str, float] = {}  # address -> when a call found it down
         self._failures: dict[str, int] = {}  # address -> consecutive failed health checks
         self._free_blocks: dict[str, int] = {}  # decode address -> free KV blocks at the last check
-        self._max_num_seqs: dict[str, int] = {}  # decode address -> its engine's max_num_seqs
+        self._views: dict[str, WorkerView] = {}  # address -> its last GetInfo, for routing
+        self._view_asked: dict[str, float] = {}  # prefill address -> when GetInfo was last tried
         self._layout: tuple[str, int] | None = None  # (model_id, block_size) of the prefill workers
         self._prefill_num_blocks: int | None = None
         self._stop = threading.Event()
@@ -110,7 +98,8 @@ class WorkerPool:
                 self._capacity_retry_at,
                 self._failures,
                 self._free_blocks,
-                self._max_num_seqs,
+                self._views,
+                self._view_asked,
             ):
                 table.pop(address, None)
             self.unhealthy.discard(address)
@@ -141,15 +130,8 @@ class WorkerPool:
         for address in self.addresses:
             started = time.monotonic()
             healthy = self._serving(address, timeout_s)
-            if healthy and address in self.decode:
-                try:  # for routing only: health is the health service's answer
-                    info = self.decode_stub(address).GetInfo(
-                        common_pb2.InfoRequest(), timeout=timeout_s
-                    )
-                    self._free_blocks[address] = info.num_free_blocks
-                    self._max_num_seqs[address] = _max_num_seqs(info)
-                except grpc.RpcError:
-                    self._free_blocks.pop(address, None)
+            if healthy and self._wants_info(address, started):
+                self._read_info(address, timeout_s)
             with self._lock:
                 if address not in self.prefill and address not in self.decode:
                     continue  # it left the pool during the check
@@ -166,6 +148,33 @@ class WorkerPool:
                     logger.warning("worker %s is unhealthy: no new requests go there", address)
                     self.unhealthy.add(address)
             metrics.WORKER_HEALTHY.labels("router", address).set(1 if healthy else 0)
+
+    def _wants_info(self, address: str, now: float) -> bool:
+        """A decode worker's free blocks at every check; a prefill worker's view until it has
+        fitted costs, asked every CAPACITY_RETRY_S (its GetInfo waits for a running prefill)."""
+        if address in self.decode:
+            return True
+        view = self._views.get(address)
+        if view is not None and view.costs:
+            return False
+        return now - self._view_asked.get(address, -CAPACITY_RETRY_S) >= CAPACITY_RETRY_S
+
+    def _read_info(self, address: str, timeout_s: float) -> None:
+        """GetInfo for routing only (health is the health service's answer)."""
+        self._view_asked[address] = time.monotonic()
+        stub = self.decode_stub(address) if address in self.decode else self.prefill_stub(address)
+        try:
+            info = stub.GetInfo(common_pb2.InfoRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            self._free_blocks.pop(address, None)
+            return
+        if address in self.decode:
+            self._free_blocks[address] = info.num_free_blocks
+        self._views[address] = WorkerView.from_info(info.config_json, info.step_costs_json)
+
+    def view(self, address: str) -> WorkerView | None:
+        """What the last GetInfo of `address` said (None before one answered)."""
+        return self._views.get(address)
 
     def _serving(self, address: str, timeout_s: float) -> bool:
         return health_serving(self.channel(address), timeout_s)
@@ -223,7 +232,7 @@ class WorkerPool:
         worker whose GetInfo has not answered yet counts with the engine's default)."""
         with self._lock:
             workers = [a for a in self.decode if not healthy_only or a not in self.unhealthy]
-        return sum(self._max_num_seqs.get(a, DEFAULT_MAX_NUM_SEQS) for a in workers)
+        return sum(self._views.get(a, WorkerView()).max_num_seqs for a in workers)
 
     def prefill_layout(self) -> tuple[str, int] | None:
         """(model_id, block_size) the prefill workers hash blocks with (GetInfo, asked once);

@@ -1,0 +1,177 @@
+"""The serving-path decision (services/router/pool/serving_path.py) on hand-built loads and a
+hand-made cost model: local or remote by predicted TTFT, the length rule without costs, the
+modes, and the router's bookkeeping behind the loads (routing.py, flow/context.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.cost_model import store
+from services.cost_model.step_cost import FEATURES, StepCost
+from services.router.flow.context import FlowContext
+from services.router.pool.routing import Routing
+from services.router.pool.serving_path import (
+    CALIBRATION_BOUNDS,
+    LENDING_LOCAL_PREFILL_TOKENS,
+    PathCalibration,
+    PathLoad,
+    ServingPaths,
+    WorkerView,
+    predict_local,
+    predict_remote,
+)
+from services.router.pool.worker_pool import WorkerPool
+
+
+def cost(threads: int) -> StepCost:
+    """5 ms a step, 1 ms per prompt token on one thread (half on two), 2 ms per decode row,
+    3 us per token of context a thread reads, 4 ms more for a step with a chunk."""
+    return StepCost(threads, (0.005, 0.001 / threads, 1e-7, 3e-6, 0.002, 0.004))
+
+
+COSTS = {1: cost(1), 2: cost(2)}
+LENDER = WorkerView(COSTS, threads=1, lends=True)  # one CPU of a 1 + 1 pair on a core ledger
+TIGHT = WorkerView(COSTS, threads=1, lends=True, slo_itl_s=0.05)  # streams allow 50 ms steps
+AUTO = ServingPaths()
+
+
+def choose(load: PathLoad, prefill: WorkerView = LENDER, decode: WorkerView = LENDER):
+    return AUTO.choose(load, prefill, decode)
+
+
+def test_an_idle_pair_prefills_on_the_decode_worker_which_ships_no_kv():
+    choice = choose(PathLoad(256))
+    assert (choice.path, choice.reason) == ("local", "predicted")
+    assert choice.local_s == pytest.approx(choice.remote_s)  # both borrow the other's CPU
+
+
+def test_a_long_prompt_beside_streams_with_a_tight_itl_goes_to_the_prefill_pool():
+    """Local chunks keep the streams' ITL objective (small chunks) and carry their rows every
+    step; with a loose objective the decode worker, borrowing the idle prefill CPU, is faster."""
+    load = PathLoad(2048, decode_rows=8, decode_context=8 * 300)
+    choice = choose(load, decode=TIGHT)
+    assert choice.path == "remote" and choice.local_s > choice.remote_s
+    assert choose(load).path == "local"
+
+
+def test_a_busy_prefill_pool_sends_prompts_to_a_decode_worker_with_slack():
+    streams = dict(decode_rows=8, decode_context=8 * 300)
+    assert choose(PathLoad(512, prefill_queued=4096, **streams), decode=TIGHT).path == "local"
+    assert choose(PathLoad(512, **streams), decode=TIGHT).path == "remote"
+
+
+def test_a_prefix_cached_on_the_prefill_worker_keeps_the_prompt_there():
+    busy = dict(decode_rows=4, decode_context=4 * 200)
+    assert choose(PathLoad(1024, prefill_cached=1008, prefill_queued=300, **busy)).path == "remote"
+    assert choose(PathLoad(1024, prefill_queued=300, **busy)).path == "local"
+
+
+def test_local_prefills_queued_on_the_decode_worker_count():
+    base = PathLoad(256, decode_rows=1, decode_context=100, prefill_queued=256)
+    assert choose(base).path == "local"
+    assert choose(PathLoad(**{**base.__dict__, "local_queued": 4096})).path == "remote"
+
+
+def test_observed_first_token_times_calibrate_the_path_they_were_predicted_for():
+    """A path whose requests reach their first token later than predicted (here the remote
+    path, twice as slow as fitted: a core shared with the router) is predicted slower from
+    then on, and the choice flips; one wild observation moves the ratio by a bounded step."""
+    load = PathLoad(512, decode_rows=1, decode_context=300, local_queued=1024)
+    calibration = PathCalibration()
+    first = AUTO.choose(load, LENDER, LENDER, calibration)
+    assert first.path == "remote" and first.scale == 1.0
+    for _ in range(20):
+        calibration.observe("remote", first.remote_s, 2 * first.remote_s)
+        calibration.observe("local", first.local_s, first.local_s)
+    assert calibration.scale("remote") == pytest.approx(2.0, rel=0.05)
+    assert calibration.scale("local") == pytest.approx(1.0)
+    second = AUTO.choose(load, LENDER, LENDER, calibration)
+    assert second.path == "local" and second.remote_s == pytest.approx(2 * first.remote_s, 0.05)
+    calibration.observe("local", 0.1, 1000.0)  # clamped to the upper bound, then weighted
+    assert calibration.scale("local") == pytest.approx(1 + 0.2 * (CALIBRATION_BOUNDS[1] - 1))
+    calibration.observe("local", 0.0, 1.0)  # no prediction: ignored
+    with pytest.raises(ValueError, match="path"):
+        calibration.observe("sideways", 1.0, 1.0)
+
+
+def test_without_fitted_costs_or_lending_the_length_rule_decides():
+    no_costs = WorkerView(threads=1, lends=True)
+    at_limit = choose(PathLoad(LENDING_LOCAL_PREFILL_TOKENS), no_costs, no_costs)
+    assert (at_limit.path, at_limit.reason) == ("local", "length")
+    assert choose(PathLoad(LENDING_LOCAL_PREFILL_TOKENS + 1), no_costs, no_costs).path == "remote"
+    fixed = WorkerView(COSTS, threads=1, lends=False)  # a decode worker with its own CPU only
+    assert (choose(PathLoad(16), fixed, fixed).path, "length") == ("remote", "length")
+    assert AUTO.choose(PathLoad(16), None, None).reason == "length"  # no GetInfo answer yet
+    given = ServingPaths("auto", 64)  # --max-local-prefill-tokens: the length rule, costs or not
+    assert given.choose(PathLoad(64), LENDER, LENDER).path == "local"
+    assert given.choose(PathLoad(65), LENDER, LENDER).reason == "length"
+    assert ServingPaths("never").choose(PathLoad(9999), LENDER, LENDER).path == "local"
+    assert ServingPaths("always").choose(PathLoad(1), LENDER, LENDER).reason == "mode"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.integers(1, 4096),
+    more=st.integers(1, 1024),
+    rows=st.integers(0, 16),
+    queued=st.integers(0, 4096),
+)
+def test_predictions_never_fall_as_work_is_added(tokens, more, rows, queued):
+    load = PathLoad(tokens, decode_rows=rows, decode_context=rows * 500, prefill_queued=queued)
+    bigger = PathLoad(**{**load.__dict__, "prompt_tokens": tokens + more})
+    for predict in (predict_local, predict_remote):
+        assert predict(LENDER, LENDER, bigger) >= predict(LENDER, LENDER, load) > 0
+    more_queued = PathLoad(**{**load.__dict__, "prefill_queued": queued + more})
+    assert predict_remote(LENDER, LENDER, more_queued) >= predict_remote(LENDER, LENDER, load)
+
+
+def test_a_worker_view_reads_getinfo_and_keeps_defaults_for_what_is_missing():
+    config = {
+        "threads": 2,
+        "core_ledger": "/dev/shm/x",
+        "engine": {"max_num_batched_tokens": 512, "slo_itl_ms": 100.0, "max_num_seqs": 8},
+    }
+    view = WorkerView.from_info(json.dumps(config), store.to_json([cost(1), cost(2)]))
+    assert (view.threads, view.lends, view.max_num_batched_tokens) == (2, True, 512)
+    assert (view.slo_itl_s, view.max_num_seqs) == (0.1, 8)
+    assert view.costs == COSTS and view.cost(3) == cost(2) and view.cost(2) == cost(2)
+    assert WorkerView({2: cost(2)}).cost(1) == cost(2)  # none below: the smallest above
+    broken = WorkerView.from_info("{not json", '{"features": ["x"], "threads": {}}')
+    assert broken == WorkerView()
+    assert store.from_json("") == {} and store.to_json([]) == ""
+    with pytest.raises(ValueError, match="step_costs_json"):
+        store.from_json(json.dumps({"features": list(FEATURES), "threads": {"1": [1.0]}}))
+
+
+def test_the_router_predicts_from_what_it_has_in_flight_and_places_local_prompts():
+    """FlowContext.choose_path reads the router's own counts (queued prompt tokens, streams
+    and their context, local prefills) and a local choice names the decode worker it was
+    predicted on."""
+    pool = WorkerPool(["127.0.0.1:1"], ["127.0.0.1:3", "127.0.0.1:4"])
+    pool.view = lambda address: LENDER
+    routing = Routing(pool, "least_loaded")
+    context = FlowContext(None, pool, routing, None, None, AUTO)  # type: ignore[arg-type]
+    idle = context.choose_path(list(range(256)))
+    assert idle.path == "local" and idle.decode in pool.decode
+    taken = routing.pick_decode(idle.decode, 256)
+    routing.local_prefill(taken, 256)
+    assert (routing.in_flight[taken], routing.decode_context[taken]) == (1, 256)
+    assert context.choose_path(list(range(256))).decode != taken  # the other one is idle
+    other = routing.pick_decode(None, 256)
+    assert other != taken
+    routing.pick_prefill(list(range(8000)))  # the prefill pool is busy now
+    loaded = context.choose_path(list(range(1024)))
+    assert loaded.path == "local" and loaded.local_s < loaded.remote_s
+    context.first_token(loaded, 3 * loaded.local_s)  # slower than predicted: calibrates
+    assert context.calibration.scale("local") > 1.0
+    context.first_token(ServingPaths("always").choose(PathLoad(1), None, None), 9.0)
+    assert context.calibration.scale("remote") == 1.0  # a mode's choice predicts nothing
+    routing.local_prefill(taken, -256)
+    routing.decode_done(taken, 256)
+    assert (routing.in_flight[taken], routing.decode_context[taken]) == (0, 0)
+    assert ServingPaths("always").choose(PathLoad(1), None, None).path == "remote"
+    pool.close()
