@@ -2,10 +2,13 @@
 rate over its gRPC API, then the router's path counters and calibration.
 
     python benchmarks/path_modes.py predicted,length512 0.5,1.0 256 64 60 "ttft:390 tpot:36" w1
+    python benchmarks/path_modes.py predicted 0.15 2048 128 30 "ttft:4140 tpot:36" w2048 \
+        --slo-tpot-ms 36
 
 Arguments: rules (comma list of RULES' names), rates (req/s, comma list), prompt tokens, output
 tokens, requests per point, the `--goodput` objectives, and a tag naming the JSON files each
-point writes (`benchmarks/results/path_modes_TAG_RULE_RATE.json`). Figures: docs/benchmarks.md
+point writes (`benchmarks/results/path_modes_TAG_RULE_RATE.json`); what follows goes to every
+`pdserve serve` as flags. Figures: docs/benchmarks.md
 "Conditional disaggregation by predicted TTFT".
 """
 
@@ -50,14 +53,14 @@ def _ms(point: dict, key: str) -> str:
 
 
 def main() -> int:
-    if len(sys.argv) != 8:
+    if len(sys.argv) < 8:
         print(__doc__)
         return 2
-    rules, rates, *args, tag = sys.argv[1:]
+    rules, rates, *args, tag = sys.argv[1:8]
     results = ROOT / "benchmarks" / "results"
     results.mkdir(exist_ok=True)
     for rule in rules.split(","):
-        _, process, info = start_pdserve(RULES[rule])
+        _, process, info = start_pdserve(RULES[rule] + sys.argv[8:])
         try:
             for rate in rates.split(","):
                 p = _bench(

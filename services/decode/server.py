@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import threading
 
 from services.common import metrics
@@ -30,6 +29,7 @@ from services.common.pb import worker_pb2, worker_pb2_grpc
 from services.config.roles import DecodeConfig
 from services.engine import Engine
 from services.engine.errors import InvalidRequestError, KVHandshakeError, KVTransferError
+from services.engine.objectives import StreamObjectives
 from services.engine.outputs import KVReserved, RequestOutput
 from services.kv_transfer.control.receiver import GrpcKVReceiver
 from services.kv_transfer.cuda_ipc.export import cuda_topology
@@ -76,11 +76,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         params = sampling_from_proto(request.sampling)
         prompt_ids, salt = list(request.prompt_token_ids), cache_salt(request.cache_salt)
         request_id, resumed = request.request_id, list(request.output_token_ids)
-        ms = request.itl_objective_ms  # 0: the engine's default; a tiny one stays > 0 in seconds
-        itl = max(ms / 1000, sys.float_info.min) if ms > 0 else None
+        objectives = StreamObjectives.from_ms(request.itl_objective_ms, request.tpot_objective_ms)
         if not request.HasField("kv_handle"):
             yield from self._prefill_here(
-                request_id, prompt_ids, params, salt, resumed, itl, context
+                request_id, prompt_ids, params, salt, resumed, objectives, context
             )
             return
         handle, source = handle_from_proto(request.kv_handle)
@@ -103,7 +102,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 kv_handle=handle,
                 cache_salt=salt,
                 output_token_ids=resumed,
-                itl_objective_s=itl,
+                objectives=objectives,
             )  # always added, even if the caller left: its abort tells the source to unpin
             landed = False
             while (out := next_output(stream, context)) is not None:
@@ -131,7 +130,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 self.loop.abort(request_id)
             self.transfer.forget(request_id)
 
-    def _prefill_here(self, request_id: str, prompt_ids, params, salt, resumed, itl, context):
+    def _prefill_here(
+        self, request_id: str, prompt_ids, params, salt, resumed, objectives, context
+    ):
         """The local path: no KV handle, so this engine prefills the prompt (and a migrated
         request's `resumed` outputs) itself, chunked into the running batch's steps; the replies
         carry every new token, the first one included."""
@@ -143,7 +144,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 cache_salt=salt,
                 caller_active=context.is_active,
                 output_token_ids=resumed,
-                itl_objective_s=itl,
+                objectives=objectives,
             )
             first = True
             while (out := next_output(stream, context)) is not None:

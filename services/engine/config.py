@@ -81,6 +81,10 @@ class EngineConfig:
     tokens into running decodes takes the largest chunk whose predicted time fits the tightest
     running stream's objective (needs the cost model of `pdserve profile`; without one only
     --max-num-batched-tokens caps it)."""
+    slo_tpot_ms: float = 100.0
+    """Mean-TPOT objective (milliseconds) of every stream: a stream's ITL allowance shrinks to
+    the time left before its mean TPOT would pass this (never below it), so a prefill chunk only
+    takes the slack streams have (DistServe's chat objective, 0.1 s)."""
     seed: int | None = None
     """Seed of the engine's own draws: the sampling seed of a request that brings none
     (default: random)."""
@@ -158,7 +162,7 @@ class EngineConfig:
             or not (0 < utilization <= 1)
         ):
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {utilization!r}")
-        for name in ("kv_transfer_timeout_s", "kv_lease_seconds", "slo_itl_ms"):
+        for name in ("kv_transfer_timeout_s", "kv_lease_seconds", "slo_itl_ms", "slo_tpot_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 unit = "milliseconds" if name.endswith("_ms") else "seconds"

@@ -28,6 +28,7 @@ from services.engine.kv_reservations import KVReservations
 from services.engine.loader import eos_token_id, load_model, model_id, model_limits, resolve_model
 from services.engine.memory import num_kv_blocks
 from services.engine.model_runner import ModelRunner
+from services.engine.objectives import StreamObjectives
 from services.engine.outputs import KVReserved, RequestOutput
 from services.engine.remote_kv import RemoteKV
 from services.engine.request import Request, RequestStatus
@@ -112,7 +113,7 @@ class Engine:
         kv_handle: KVHandle | None = None,
         cache_salt: str | None = None,
         output_token_ids: list[int] | None = None,
-        itl_objective_s: float | None = None,
+        objectives: StreamObjectives | None = None,
     ) -> str:
         """Queue a request; returns its id.
 
@@ -128,8 +129,9 @@ class Engine:
         have, since they count against max_tokens, in the penalties and in the seeded stream
         (a seeded draw depends only on (seed, output index): `sampler.py`). A handle then
         covers prompt + them. The engine reports them in `RequestOutput.output_token_ids` but
-        never again as new tokens. `itl_objective_s`: this stream's ITL objective (seconds;
-        default: the config's `slo_itl_ms`), which the per-step token budget keeps.
+        never again as new tokens. `objectives`: this stream's ITL and TPOT objectives
+        (None, or a field None: the config's `slo_itl_ms` / `slo_tpot_ms`), which the per-step
+        token budget keeps.
         Raises InvalidRequestError (empty or too-long prompt, unknown token ids, duplicate id,
         non-string salt, output_token_ids at max_tokens), ResourceExhaustedError (the request
         could never fit in the KV cache, or too many wait for blocks) and KVHandshakeError (the
@@ -144,10 +146,6 @@ class Engine:
                 self.kv_receiver.complete(kv_handle)  # unusable here: let the source unpin now
                 raise
         resumed = self.checker.output_ids(output_token_ids, params)
-        if itl_objective_s is not None and not (
-            isinstance(itl_objective_s, (int, float)) and itl_objective_s > 0
-        ):
-            raise InvalidRequestError("itl_objective_s", f"must be > 0, got {itl_objective_s!r}")
         self.checker.check(request_id, prompt_ids, params, kv_handle, cache_salt, len(resumed))
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(
@@ -160,7 +158,7 @@ class Engine:
             kv_handle,
             cache_salt,
             output_token_ids=resumed,
-            itl_objective_s=itl_objective_s,
+            objectives=objectives or StreamObjectives(),
         )
         if kv_handle is not None:
             self._add_remote(request, kv_handle)

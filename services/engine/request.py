@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from services.engine.block_hash import BlockHash
+from services.engine.objectives import StreamObjectives
 from services.engine.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 from services.kv_transfer.handle import KVHandle
@@ -86,9 +87,9 @@ class Request:
     """When this engine first sampled a token for the request (monotonic seconds)."""
     num_preemptions: int = 0
     """Times this request was preempted (its KV recomputed)."""
-    itl_objective_s: float | None = None
-    """This stream's ITL objective, seconds (None: the engine's `slo_itl_ms`): the per-step
-    token budget keeps steps that carry it within this (`step_budget.py`)."""
+    objectives: StreamObjectives = field(default_factory=StreamObjectives)
+    """This stream's own ITL and TPOT objectives (a field None: the engine's `slo_itl_ms` /
+    `slo_tpot_ms`): the per-step token budget keeps them (`step_budget.py`)."""
 
     @property
     def recompute_cause(self) -> str:

@@ -28,7 +28,7 @@ from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCache
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import SamplingRow, TokenLogprobs
-from services.engine.step_budget import StepBudget
+from services.engine.step_budget import StepBudget, allowed_step_s
 from services.kv_transfer.handle import KVHandle
 
 
@@ -104,7 +104,7 @@ class Scheduler:
         and `max_num_seqs`. A remote request left out stays with its caller for a later step."""
         out = SchedulerOutput(now=time.monotonic())
         budget = self.config.max_num_batched_tokens
-        prefill_budget = self._prefill_budget(budget)
+        prefill_budget = self._prefill_budget(budget, out.now)
         if self.max_step_prompt_tokens is not None:
             prefill_budget = min(prefill_budget, self.max_step_prompt_tokens)
         for request in list(self.running):
@@ -123,10 +123,11 @@ class Scheduler:
             self._admit_waiting(out, min(budget, prefill_budget))
         return out
 
-    def _prefill_budget(self, cap: int) -> int:
+    def _prefill_budget(self, cap: int, now: float) -> int:
         """Prompt tokens this step may compute besides its decode rows (`step_budget.py`): the
-        largest chunk whose predicted step time fits the tightest ITL objective among the
-        running streams that decode this step; `cap` without a cost model or decode rows."""
+        largest chunk whose predicted step time fits the tightest allowance (ITL objective,
+        shortened to TPOT slack) among the running streams that decode this step; `cap` without
+        a cost model or decode rows."""
         if self.step_budget is None:  # no cost model: nothing to compute on the hot path
             self.last_prefill_budget = None
             return cap
@@ -137,12 +138,21 @@ class Scheduler:
         if not decodes:
             self.last_prefill_budget = None
             return cap
-        default = self.config.slo_itl_ms / 1000
-        itl = min(default if r.itl_objective_s is None else r.itl_objective_s for r in decodes)
+        itl, tpot = self.config.slo_itl_ms / 1000, self.config.slo_tpot_ms / 1000
+        step_s = min(
+            allowed_step_s(
+                itl if r.objectives.itl_s is None else r.objectives.itl_s,
+                tpot if r.objectives.tpot_s is None else r.objectives.tpot_s,
+                r.first_token_time,
+                r.num_output_tokens,
+                now,
+            )
+            for r in decodes
+        )
         chunked = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         cached = chunked[0].num_computed_tokens if chunked else 0
         contexts = [r.num_tokens for r in decodes]
-        tokens = self.step_budget.prefill_tokens(contexts, cached, itl, cap - len(decodes))
+        tokens = self.step_budget.prefill_tokens(contexts, cached, step_s, cap - len(decodes))
         self.last_prefill_budget = tokens
         return tokens
 

@@ -4,9 +4,10 @@ A step that mixes a prefill chunk into decode rows delays every one of those str
 token by the whole step. Sarathi-Serve (Agrawal et al., OSDI 2024) caps such steps with a fixed
 token budget; SLOs-Serve (2025) derives the budget from the streams' objectives. Here each step
 takes the largest chunk whose predicted step time (the cost model fitted on this machine,
-`services/cost_model/`) fits the tightest ITL objective among the streams it carries,
-recomputed every step; `--max-num-batched-tokens` stays a cap. A step without decode rows
-delays nobody and takes the cap.
+`services/cost_model/`) fits the tightest allowance among the streams it carries (`allowed_step_s`:
+a stream's ITL objective, shortened to its TPOT slack), recomputed every step;
+`--max-num-batched-tokens` stays a cap. A step without decode rows delays nobody and takes the
+cap.
 """
 
 from __future__ import annotations
@@ -20,6 +21,21 @@ MIN_CHUNK_TOKENS = 16  # a prompt always advances, even when a decode step alone
 BORROWED_STEP_TOKENS = 256
 """Most prompt tokens a step may take while it runs on CPUs borrowed from another worker
 (`services/worker/core_lending.py`): the owner waits at most one such step for them."""
+
+
+def allowed_step_s(
+    itl_s: float, tpot_s: float, first_token_at: float | None, num_output_tokens: int, now: float
+) -> float:
+    """The longest step (seconds) one running stream allows now: its ITL objective `itl_s`,
+    shortened to its TPOT slack (the time left before its mean TPOT objective `tpot_s` would be
+    missed by the token this step makes: first token at `first_token_at`, `num_output_tokens`
+    tokens so far, `now` in the same clock), never below `tpot_s` (a stream that is behind
+    catches up at one objective a step). A stream ahead of its TPOT lends the rest to a prefill
+    chunk, as SLOs-Serve plans by slack."""
+    if first_token_at is None:
+        return itl_s
+    slack = first_token_at + tpot_s * num_output_tokens - now
+    return min(itl_s, max(slack, tpot_s))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from services.common.errors import ShuttingDownError
 from services.cost_model.step_log import StepLog, StepRecord
 from services.engine import Engine, SamplingParams
 from services.engine import threads as omp
+from services.engine.objectives import StreamObjectives
 from services.engine.outputs import KVReserved, RequestOutput
 from services.kv_transfer.handle import KVHandle
 from services.worker.core_lending import CoreLending, NoLending
@@ -144,7 +145,7 @@ class EngineLoop:
         cache_salt: str | None = None,
         caller_active: Callable[[], bool] | None = None,
         output_token_ids: list[int] | None = None,
-        itl_objective_s: float | None = None,
+        objectives: StreamObjectives | None = None,
     ) -> queue.Queue[RequestOutput | KVReserved | BaseException]:
         """Add a request; its outputs (or an exception) arrive on the returned queue. A DECODE
         request first gets a `KVReserved` once its blocks are reserved: the receiver writes the
@@ -153,8 +154,7 @@ class EngineLoop:
         `caller_active` (the RPC's `context.is_active`) is asked on the loop thread as the add
         runs: a caller that left while the call waited for a step adds nothing (its stream stays
         empty), so a burst of cancels leaves no prompt behind to be prefilled for no one.
-        `output_token_ids`: a migrated request's earlier outputs, `itl_objective_s` its ITL
-        objective (`Engine.add_request`).
+        `output_token_ids` (a migrated request's outputs), `objectives`: `Engine.add_request`.
 
         Raises the engine's InvalidRequestError / ResourceExhaustedError / KVHandshakeError
         synchronously.
@@ -171,7 +171,7 @@ class EngineLoop:
                 kv_handle=kv_handle,
                 cache_salt=cache_salt,
                 output_token_ids=output_token_ids,
-                itl_objective_s=itl_objective_s,
+                objectives=objectives,
             )
             self._streams[request_id] = stream
             return True

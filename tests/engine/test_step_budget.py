@@ -10,7 +10,8 @@ import pytest
 from services.cost_model.step_cost import StepCost
 from services.engine import SamplingParams
 from services.engine.errors import InvalidRequestError
-from services.engine.step_budget import StepBudget
+from services.engine.objectives import StreamObjectives
+from services.engine.step_budget import StepBudget, allowed_step_s
 from tests.engine.helpers import GREEDY, make_engine
 from tests.reference import assert_equivalent, hf_greedy
 
@@ -58,7 +59,7 @@ def test_mixed_steps_follow_the_tightest_objective_and_greedy_output_is_unchange
     assert engine.scheduler.last_prefill_budget is None
     engine.add_request(
         second, SamplingParams(max_tokens=30, **GREEDY), request_id="second",
-        itl_objective_s=0.031,
+        objectives=StreamObjectives(itl_s=0.031),
     )  # fmt: skip
     engine.step()  # "first" decodes: 10 + 1 + n <= 40 leaves 29, and all 24 fit
     assert engine.last_forward_tokens == {"first": 1, "second": 24}
@@ -80,9 +81,54 @@ def test_mixed_steps_follow_the_tightest_objective_and_greedy_output_is_unchange
         assert_equivalent(outs[rid], hf_greedy(tiny_model, prompt, n), rid)
 
 
+@pytest.mark.parametrize(
+    ("first_token_at", "num_output_tokens", "expected"),
+    [
+        (None, 0, 0.250),  # no token yet: the ITL objective
+        (0.0, 10, 0.250),  # 10 tokens in 0 s: 0.5 s of slack, capped at the ITL objective
+        (-0.4, 10, 0.100),  # 10 tokens in 0.4 s: 0.1 s of slack left
+        (-5.0, 10, 0.050),  # behind: one TPOT objective a step, to catch up
+    ],
+)
+def test_a_streams_allowance_is_its_itl_objective_shortened_to_its_tpot_slack(
+    first_token_at, num_output_tokens, expected
+):
+    allowed = allowed_step_s(0.250, 0.050, first_token_at, num_output_tokens, now=0.0)
+    assert allowed == pytest.approx(expected)
+
+
+def test_a_stream_behind_its_tpot_objective_shrinks_the_chunk(tiny_model):
+    """With a 35 ms TPOT objective, a stream that is behind allows 35 ms steps (10 + 1 + n <=
+    35: 24-token chunks) though its ITL objective is 250 ms; once ahead again, 250 ms. A
+    stream's own objective replaces the engine's."""
+    engine = make_engine(tiny_model, num_blocks=256, slo_tpot_ms=35.0)
+    engine.use_step_cost(FAKE)
+    first, late = _prompts([20, 300])
+    engine.add_request(first, SamplingParams(max_tokens=30, **GREEDY), request_id="first")
+    engine.step()
+    (stream,) = engine.scheduler.running
+    stream.first_token_time -= 10.0  # ten seconds for one token: far behind
+    engine.add_request(late, SamplingParams(max_tokens=4, **GREEDY), request_id="late")
+    engine.step()
+    assert engine.last_forward_tokens == {"first": 1, "late": 24}
+    stream.first_token_time += 20.0  # far ahead: the ITL objective binds (10 + 1 + n <= 250)
+    engine.step()
+    assert engine.last_forward_tokens == {"first": 1, "late": 239}
+    stream.first_token_time -= 20.0  # behind again, and now its own objective is 20 ms
+    stream.objectives = StreamObjectives(tpot_s=0.020)  # (set as add_request would)
+    engine.step()
+    assert engine.last_forward_tokens == {"first": 1, "late": 16}  # 9 fit: the 16-token floor
+    engine.check_integrity()
+
+
 def test_an_objective_must_be_positive(tiny_llama):
     engine = make_engine(tiny_llama, num_blocks=16)
-    with pytest.raises(InvalidRequestError, match="itl_objective_s"):
-        engine.add_request([3, 4], SamplingParams(max_tokens=2), itl_objective_s=0)
+    for bad in (dict(itl_s=0), dict(tpot_s=-1.0), dict(tpot_s=float("nan")), dict(itl_s=True)):
+        with pytest.raises(InvalidRequestError, match=next(iter(bad))):
+            engine.add_request(
+                [3, 4], SamplingParams(max_tokens=2), objectives=StreamObjectives(**bad)
+            )
     with pytest.raises(ValueError, match=r"^slo_itl_ms: must be > 0 milliseconds"):
         make_engine(tiny_llama, num_blocks=16, slo_itl_ms=-1)
+    with pytest.raises(ValueError, match=r"^slo_tpot_ms: must be > 0 milliseconds"):
+        make_engine(tiny_llama, num_blocks=16, slo_tpot_ms=0)

@@ -54,6 +54,8 @@ class GenerationRequest:
     """The client's id for the request ("": none); the workers' ids start with it."""
     itl_objective_ms: float | None = None
     """This stream's ITL objective (milliseconds; None: the decode worker's default)."""
+    tpot_objective_ms: float | None = None
+    """This stream's mean-TPOT objective (milliseconds; None: the decode worker's default)."""
 
     def __post_init__(self) -> None:
         if sum(getattr(self, kind) is not None for kind in PROMPT_KINDS) != 1:
@@ -64,10 +66,11 @@ class GenerationRequest:
             object.__setattr__(self, "chat", tuple(self.chat))
         object.__setattr__(self, "stop", check_stop_strings(self.stop))
         check_cache_salt(self.cache_salt)
-        itl = self.itl_objective_ms
-        number = isinstance(itl, (int, float)) and not isinstance(itl, bool)
-        if itl is not None and not (number and 0 < itl < math.inf):
-            raise InvalidRequestError("itl_objective_ms", f"must be > 0 milliseconds, got {itl!r}")
+        for name in ("itl_objective_ms", "tpot_objective_ms"):
+            ms = getattr(self, name)
+            number = isinstance(ms, (int, float)) and not isinstance(ms, bool)
+            if ms is not None and not (number and 0 < ms < math.inf):
+                raise InvalidRequestError(name, f"must be > 0 milliseconds, got {ms!r}")
 
 
 @dataclass(frozen=True)

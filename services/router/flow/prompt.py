@@ -84,6 +84,8 @@ class PreparedRequest:
     """Sent to both workers: part of every block hash (empty: no salt)."""
     itl_objective_ms: float = 0.0
     """Sent to the decode worker: this stream's ITL objective (0: the worker's default)."""
+    tpot_objective_ms: float = 0.0
+    """Sent to the decode worker: this stream's mean-TPOT objective (0: the worker's default)."""
 
 
 def prepare_request(request: GenerationRequest, model: ModelInfo) -> PreparedRequest:
@@ -127,7 +129,7 @@ def prepare_request(request: GenerationRequest, model: ModelInfo) -> PreparedReq
     )
     return PreparedRequest(
         request_id, prompt_ids, params, request.stop, request.cache_salt or "",
-        request.itl_objective_ms or 0.0,
+        request.itl_objective_ms or 0.0, request.tpot_objective_ms or 0.0,
     )  # fmt: skip
 
 

@@ -216,6 +216,7 @@ class RequestRun:
             prepared.cache_salt,
             resumed,
             prepared.itl_objective_ms,
+            prepared.tpot_objective_ms,
         )
         try:  # decode_done on every path, a cancel before the call starts included
             self.scope.check()

@@ -77,24 +77,31 @@ class OpenAIRequest:
         return out
 
 
-ITL_OBJECTIVE_HEADER = "x-slo-itl-ms"  # as llm-d's x-slo-ttft-ms / x-slo-tpot-ms
+OBJECTIVE_HEADERS = {"x-slo-itl-ms": "itl_objective_ms", "x-slo-tpot-ms": "tpot_objective_ms"}
+"""Per-request objectives (milliseconds), as llm-d's x-slo-ttft-ms / x-slo-tpot-ms headers,
+and the `GenerationRequest` field each sets."""
 
 
 def with_objectives(parsed: OpenAIRequest, headers: Mapping[str, str]) -> OpenAIRequest:
-    """`parsed` with the per-request objective its headers set (`x-slo-itl-ms`: the ITL
-    objective in milliseconds, for every choice). InvalidRequestError naming the header."""
-    text = headers.get(ITL_OBJECTIVE_HEADER)
-    if text is None:
+    """`parsed` with the per-request objectives its headers set (`OBJECTIVE_HEADERS`: the ITL
+    and mean-TPOT objectives in milliseconds, for every choice). InvalidRequestError naming the
+    header."""
+    values: dict[str, Any] = {}
+    for header, name in OBJECTIVE_HEADERS.items():
+        text = headers.get(header)
+        if text is None:
+            continue
+        try:
+            values[name] = float(text)
+        except ValueError:
+            values[name] = math.nan
+        if not 0 < values[name] < math.inf:
+            raise InvalidRequestError(
+                header, f"must be a number of milliseconds > 0, got {text[:40]!r}"
+            )
+    if not values:
         return parsed
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise InvalidRequestError(
-            ITL_OBJECTIVE_HEADER, f"must be a number of milliseconds > 0, got {text[:40]!r}"
-        )
-    prompts = tuple(dataclasses.replace(p, itl_objective_ms=value) for p in parsed.prompts)
+    prompts = tuple(dataclasses.replace(p, **values) for p in parsed.prompts)
     return dataclasses.replace(parsed, prompts=prompts)
 
 

@@ -45,6 +45,8 @@ class WorkerRequest:
     """Tokens the client already has (a migrated request's): the worker goes on after them."""
     itl_objective_ms: float = 0.0
     """Decode only: the stream's ITL objective (0: the worker's default)."""
+    tpot_objective_ms: float = 0.0
+    """Decode only: the stream's mean-TPOT objective (0: the worker's default)."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,9 @@ def start_decode(
     """Opens the Decode stream on the worker at `address`: with `kv`, the worker pulls the
     prompt KV from its source; without, it prefills the prompt itself. `timeout` in seconds."""
     message = worker_pb2.DecodeRequest(
-        **_request_fields(request), itl_objective_ms=request.itl_objective_ms
+        **_request_fields(request),
+        itl_objective_ms=request.itl_objective_ms,
+        tpot_objective_ms=request.tpot_objective_ms,
     )
     if kv is not None:
         message.kv_handle.CopyFrom(handle_to_proto(kv.handle, kv.source))

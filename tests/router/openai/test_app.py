@@ -202,20 +202,23 @@ def test_cache_salt_reaches_both_workers_and_cached_tokens_reach_usage(cluster, 
     assert cluster[1].requests[-1].cache_salt == cluster[2].requests[-1].cache_salt == "tenant-a"
 
 
-def test_the_itl_objective_header_reaches_the_decode_worker(cluster, tokenizer):
-    """x-slo-itl-ms (llm-d's x-slo-* headers, milliseconds) rides the Decode call; a bad one
-    is a 400 naming the header; none sends 0, the decode worker's own default."""
+def test_the_objective_headers_reach_the_decode_worker(cluster, tokenizer):
+    """x-slo-itl-ms and x-slo-tpot-ms (llm-d's x-slo-* headers, milliseconds) ride the Decode
+    call; a bad one is a 400 naming the header; none sends 0, the decode worker's default."""
     ids = _completion_ids(tokenizer)
     url = cluster[0].http.url + "/v1/completions"
     body = {"prompt": PROMPT, "max_tokens": len(ids)}
     _script(cluster, ids)
-    assert _post(url, body, {"x-slo-itl-ms": "75.5"})[0] == 200
-    assert cluster[2].requests[-1].itl_objective_ms == 75.5
+    assert _post(url, body, {"x-slo-itl-ms": "75.5", "x-slo-tpot-ms": "40"})[0] == 200
+    sent = cluster[2].requests[-1]
+    assert (sent.itl_objective_ms, sent.tpot_objective_ms) == (75.5, 40.0)
     _script(cluster, ids)
     assert _post(url, body)[0] == 200
-    assert cluster[2].requests[-1].itl_objective_ms == 0.0
-    for bad in ("0", "-3", "fast", "inf"):
-        status, data = _post(url, body, {"x-slo-itl-ms": bad})
-        error = json.loads(data)["error"]
-        assert status == 400 and error["message"].startswith("x-slo-itl-ms: must be a number")
-        assert error["param"] == "x-slo-itl-ms"
+    sent = cluster[2].requests[-1]
+    assert (sent.itl_objective_ms, sent.tpot_objective_ms) == (0.0, 0.0)
+    for header in ("x-slo-itl-ms", "x-slo-tpot-ms"):
+        for bad in ("0", "-3", "fast", "inf"):
+            status, data = _post(url, body, {header: bad})
+            error = json.loads(data)["error"]
+            assert status == 400 and error["message"].startswith(f"{header}: must be a number")
+            assert error["param"] == header
