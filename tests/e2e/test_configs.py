@@ -74,6 +74,7 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         max_num_seqs=8,
         max_num_batched_tokens=128,
         slo_itl_ms=80.0,
+        slo_tpot_ms=60.0,
         seed=7,
         shuffle_free_blocks=True,
         enable_prefix_caching=False,
