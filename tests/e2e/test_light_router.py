@@ -17,7 +17,7 @@ from services.config.roles import DecodeConfig, PrefillConfig
 from services.decode.server import start_decode
 from services.engine.config import EngineConfig
 from services.prefill.server import start_prefill
-from tests.e2e.cluster import free_port, generate, generation_stub
+from tests.e2e.cluster import generate, generation_stub
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -47,7 +47,6 @@ def _ready(process: subprocess.Popen, timeout: float = 240) -> dict:
 
 def test_router_with_an_empty_cache_serves_without_torch(tmp_path):
     cache = tmp_path / "cache"
-    ports = {"prefill": free_port(), "decode": free_port()}
     report = tmp_path / "heavy.json"
     argv = [
         "router",
@@ -57,11 +56,7 @@ def test_router_with_an_empty_cache_serves_without_torch(tmp_path):
         "0",
         "--http-port",
         "0",
-        "--prefill",
-        f"127.0.0.1:{ports['prefill']}",
-        "--decode",
-        f"127.0.0.1:{ports['decode']}",
-    ]
+    ]  # no workers named: they join at run time, on ports of their own (no port race)
     router = subprocess.Popen(
         [sys.executable, "-c", ROUTER, str(report), *argv],
         cwd=ROOT,
@@ -75,9 +70,10 @@ def test_router_with_an_empty_cache_serves_without_torch(tmp_path):
         folder = cache / "models" / "smollm2-135m-instruct"
         assert (folder / "model.safetensors").is_file()
         engine = EngineConfig(model=str(folder), num_blocks=256)
+        join = (ready["grpc"],)
         workers = [
-            start_prefill(PrefillConfig(engine=engine, port=ports["prefill"])),
-            start_decode(DecodeConfig(engine=engine, port=ports["decode"])),
+            start_prefill(PrefillConfig(engine=engine, register_with=join)),
+            start_decode(DecodeConfig(engine=engine, register_with=join)),
         ]
         body = json.dumps(
             {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0}
