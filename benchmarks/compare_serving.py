@@ -22,6 +22,9 @@ Protocol (issue 15):
   (`repeat_plan`); `compare_report.py` gives the median ratio to vLLM and its range, and a
   target is met only if the worst repeat meets it.
 
+`--workload W1|W2|W3|W4|U` runs one sitting of issue 32's workload suite instead
+(`benchmarks/suite.py`, `benchmarks/workloads.py`).
+
 Also here: the interference run (4 steady streams of 128-token prompts and 256 output tokens;
 2,048-token prompts with 8 output tokens every 3 s, for `--interference-s` seconds) and the
 crossover benchmark behind `--max-local-prefill-tokens` (`crossover.py`).
@@ -189,8 +192,29 @@ def main() -> int:
         "--vllm-venv", default=str(Path.home() / ".cache" / "pdserve" / "vllm-venv")
     )
     parser.add_argument("--quick", action="store_true", help="small and short: checks the protocol")
-    parser.add_argument("--json", default=str(RESULTS / "compare_serving.json"))
+    parser.add_argument("--json", default=None, help="default: results/compare_serving.json")
+    suite = parser.add_argument_group("the workload suite (benchmarks/suite.py)")
+    suite.add_argument(
+        "--workload", choices=("W1", "W2", "W3", "W4", "U"), help="run one sitting of the suite"
+    )
+    suite.add_argument(
+        "--unloaded", type=int, default=10, help="requests per length measuring T0 and P0"
+    )
+    suite.add_argument(
+        "--vllm-budgets",
+        type=lambda text: [int(b) for b in text.split(",")],
+        default=[256, 512, 2048],
+        help="vLLM --max-num-batched-tokens tried in the pre-pass (one value: no pre-pass)",
+    )
     args = parser.parse_args()
+    if args.workload:
+        from benchmarks import suite
+
+        if args.quick:
+            args.num_prompts, args.repeats, args.warmup, args.unloaded = 12, 1, 4, 3
+            args.vllm_budgets = args.vllm_budgets[-1:]
+        return suite.run(args)
+    args.json = args.json or str(RESULTS / "compare_serving.json")
     if args.quick:
         args.rates, args.num_prompts, args.repeats, args.warmup = "1,4", 16, 2, 8
         args.bisect = 1

@@ -87,7 +87,9 @@ def _wait_http(url: str, process: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"{url} not ready in {timeout:g} s")
 
 
-def start_vllm(venv: Path, model_dir: Path, cpus: str) -> tuple[str, subprocess.Popen]:
+def start_vllm(
+    venv: Path, model_dir: Path, cpus: str, flags: list[str] | None = None
+) -> tuple[str, subprocess.Popen]:
     python = ensure_vllm(venv)
     port = _free_port()
     env = {
@@ -101,7 +103,7 @@ def start_vllm(venv: Path, model_dir: Path, cpus: str) -> tuple[str, subprocess.
             str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--served-model-name", MODEL,
             "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
-            "--enable-prompt-tokens-details",
+            "--enable-prompt-tokens-details", *(flags or []),
         ],
         env=env, stdout=subprocess.DEVNULL, stderr=open(VLLM_LOG, "w"),  # noqa: SIM115
     )  # fmt: skip
@@ -136,7 +138,8 @@ def start_systems(names: list[str], vllm_venv: Path) -> list[System]:
         for name in names:
             if name == "vllm":
                 url, process = start_vllm(vllm_venv, model_dir, _range(cpus))
-                systems.append(System(name, url, process, tokenizer))
+                launch = {"venv": vllm_venv, "model_dir": model_dir, "cpus": _range(cpus)}
+                systems.append(System(name, url, process, tokenizer, info=launch))
             else:
                 url, process, info = start_pdserve(PDSERVE_MODES[name])
                 systems.append(System(name, url, process, tokenizer, info=info))
@@ -144,6 +147,15 @@ def start_systems(names: list[str], vllm_venv: Path) -> list[System]:
         stop_systems(systems)
         raise
     return systems
+
+
+def restart_vllm(systems: list[System], flags: list[str]) -> None:
+    """Stop the "vllm" system of `systems` and start it again with `flags` added (in place)."""
+    system = next(s for s in systems if s.name == "vllm")
+    stop_systems([system])
+    info = system.info
+    system.url, system.process = start_vllm(info["venv"], info["model_dir"], info["cpus"], flags)
+    system.info = {**info, "flags": flags}
 
 
 def _range(cpus: str) -> str:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.bench.dataset import BenchRequest
-from services.bench.stats import RequestResult
+from services.bench.stats import RequestResult, Slo
 
 Send = Callable[[BenchRequest], Awaitable[RequestResult]]
 
@@ -36,6 +36,21 @@ class Target:
     api_key: str | None = None
     ignore_eos: bool = True
     timeout_s: float = 600.0
+    objective_headers: Mapping[str, str] = field(default_factory=dict)
+    """Sent with every HTTP request (`objective_headers`); gRPC sends the same objectives as
+    GenerateRequest fields."""
+
+
+def objective_headers(slo: Slo) -> dict[str, str]:
+    """The TPOT and ITL objectives of `slo` as llm-d's per-request headers (milliseconds):
+    {"x-slo-tpot-ms": ..., "x-slo-itl-ms": ...}, each only when `slo` has it. pdserve's
+    scheduler budgets each step by them; a server that does not know them ignores them."""
+    out = {}
+    if slo.tpot is not None:
+        out["x-slo-tpot-ms"] = f"{slo.tpot * 1e3:g}"
+    if slo.itl is not None:
+        out["x-slo-itl-ms"] = f"{slo.itl * 1e3:g}"
+    return out
 
 
 class _Timeline:
@@ -61,7 +76,9 @@ class _Timeline:
 def http_sender(target: Target, session: Any) -> Send:
     """`send(request)` over `session` (an aiohttp.ClientSession) to `target.base_url`."""
     url = target.base_url.rstrip("/") + "/v1/completions"  # type: ignore[union-attr]
-    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    headers = dict(target.objective_headers)
+    if target.api_key:
+        headers["Authorization"] = f"Bearer {target.api_key}"
 
     async def send(request: BenchRequest) -> RequestResult:
         body = {
@@ -122,8 +139,10 @@ def grpc_sender(target: Target, channel: Any) -> Send:
     """`send(request)` over `channel` (a grpc.aio channel to `target.grpc`)."""
     from services.common.convert import timings_to_dict
     from services.common.pb import common_pb2, generate_pb2, generate_pb2_grpc
+    from services.router.openai.protocol import OBJECTIVE_HEADERS
 
     stub = generate_pb2_grpc.GenerationStub(channel)
+    objectives = {OBJECTIVE_HEADERS[h]: float(v) for h, v in target.objective_headers.items()}
     metadata = (("authorization", f"Bearer {target.api_key}"),) if target.api_key else None
 
     async def send(request: BenchRequest) -> RequestResult:
@@ -133,6 +152,8 @@ def grpc_sender(target: Target, channel: Any) -> Send:
                 max_tokens=request.output_len, temperature=0.0, ignore_eos=target.ignore_eos
             ),
         )
+        for name, ms in objectives.items():
+            setattr(message, name, ms)
         result = RequestResult(prompt_len=request.prompt_len, output_len=request.output_len)
         timeline = _Timeline(result)
         try:

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from services.bench import report
-from services.bench.backends import Send, Target, grpc_sender, http_sender
+from services.bench.backends import Send, Target, grpc_sender, http_sender, objective_headers
 from services.bench.dataset import BenchRequest, Lengths, make_requests
 from services.bench.stats import Slo
 from services.bench.sweep import Point, goodput, run_point, sweep
@@ -52,12 +52,20 @@ async def _run(args: argparse.Namespace, slo: Slo, rates: list[float]) -> list[P
         args.random_output_len,
         args.random_range_ratio,
         args.random_prefix_len,
+        Lengths.parse_mix(args.mix) if args.mix else (),
     )
 
     def prompts(count: int) -> list[BenchRequest]:  # fresh tags: nothing cached across points
         return make_requests(tokenizer.encode, tokenizer.decode, count, lengths, args.seed)
 
-    target = Target(args.base_url, args.grpc, args.model, args.api_key, args.ignore_eos)
+    target = Target(
+        args.base_url,
+        args.grpc,
+        args.model,
+        args.api_key,
+        args.ignore_eos,
+        objective_headers=objective_headers(slo) if args.slo_headers else {},
+    )
     async with _connection(target) as send:
         if args.num_warmups:
             await run_point(send, prompts(args.num_warmups), math.inf, slo, progress=False)
@@ -118,6 +126,12 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}: must be >= {low}, got {value}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
+    if (args.dataset_name == "mix") != bool(args.mix):
+        raise ValueError("--mix: give it with --dataset-name mix, and only then")
+    if args.mix:
+        Lengths.parse_mix(args.mix)
+    if args.slo_headers and not objective_headers(Slo.parse(args.goodput)):
+        raise ValueError("--slo-headers: needs a tpot or itl objective in --goodput")
     if not 0 <= args.random_range_ratio < 1:
         raise ValueError(f"--random-range-ratio: must be in [0, 1), got {args.random_range_ratio}")
 

@@ -5,6 +5,8 @@ Workloads (`--dataset-name`, nothing downloaded):
   `--random-range-ratio` r (vLLM's `random` dataset; r = 0 gives fixed lengths);
 - `prefix`: as `random`, each prompt starting with one shared `--prefix-len`-token prefix
   (vLLM's `--random-prefix-len`), the prefix-cache workload;
+- `mix`: fixed (input, output) length pairs drawn with their weights (`--mix
+  0.85:256:64,0.15:2048:64`, the suite's W2: mostly chat, some long documents);
 - `chat`: a chat-like mix: input and output lengths log-normal with the medians and spreads of
   `CHAT_MIX` (ShareGPT-like: medians 256 and 128 tokens, long right tails), capped.
 
@@ -22,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-DATASETS = ("random", "prefix", "chat")
+DATASETS = ("random", "prefix", "chat", "mix")
 # (median, sigma of the log, cap) for input and output lengths of the chat mix, in tokens.
 CHAT_MIX = {"input": (256.0, 0.9, 2048), "output": (128.0, 0.8, 512)}
 
@@ -57,9 +59,30 @@ class Lengths:
     output_len: int = 64
     range_ratio: float = 0.0
     prefix_len: int = 0
+    mix: tuple[tuple[float, int, int], ...] = ()  # `mix`: (weight, input_len, output_len)
+
+    @staticmethod
+    def parse_mix(text: str) -> tuple[tuple[float, int, int], ...]:
+        """ "0.85:256:64,0.15:2048:64" -> ((0.85, 256, 64), (0.15, 2048, 64)). ValueError naming
+        --mix."""
+        out = []
+        for item in text.split(","):
+            try:
+                weight, input_len, output_len = item.split(":")
+                pair = (float(weight), int(input_len), int(output_len))
+            except ValueError:
+                raise ValueError(f"--mix: expected WEIGHT:INPUT:OUTPUT, got {item!r}") from None
+            if not (pair[0] > 0 and pair[1] > 0 and pair[2] > 0):
+                raise ValueError(f"--mix: {item!r}: weight and lengths must be > 0")
+            out.append(pair)
+        return tuple(out)
 
 
 def _draws(lengths: Lengths, rng: random.Random) -> tuple[int, int]:
+    if lengths.dataset == "mix":
+        weights = [w for w, _, _ in lengths.mix]
+        _, input_len, output_len = rng.choices(lengths.mix, weights)[0]
+        return input_len, output_len
     if lengths.dataset == "chat":
         (im, isig, icap), (om, osig, ocap) = CHAT_MIX["input"], CHAT_MIX["output"]
         return (
@@ -85,6 +108,8 @@ def make_requests(
     each call). Raises ValueError when a prompt cannot be cut to its length."""
     if lengths.dataset not in DATASETS:
         raise ValueError(f"--dataset-name: expected one of {DATASETS}, got {lengths.dataset!r}")
+    if (lengths.dataset == "mix") != bool(lengths.mix):
+        raise ValueError("--mix: give it with --dataset-name mix, and only then")
     rng = random.Random(seed)
     text_ids = encode(corpus())
     run = uuid.uuid4().hex[:8]

@@ -28,7 +28,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--dataset-name",
         choices=DATASETS,
         default="random",
-        help="random (fixed or ranged lengths), prefix (a shared prefix), chat (a chat-like mix)",
+        help="random (fixed or ranged lengths), prefix (a shared prefix), chat (a chat-like "
+        "mix), mix (weighted length pairs, --mix)",
+    )
+    parser.add_argument(
+        "--mix",
+        default="",
+        metavar="W:IN:OUT,...",
+        help="mix dataset: weighted (input, output) token pairs, e.g. 0.85:256:64,0.15:2048:64",
     )
     parser.add_argument("--num-prompts", type=int, default=128, help="requests per point")
     parser.add_argument("--random-input-len", type=int, default=256, help="prompt tokens")
@@ -53,6 +60,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     parser.add_argument(
         "--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50"
+    )
+    parser.add_argument(
+        "--slo-headers",
+        action="store_true",
+        help="send the --goodput TPOT and ITL objectives with every request as x-slo-tpot-ms and "
+        "x-slo-itl-ms headers (llm-d's names; pdserve schedules by them, others ignore them)",
     )
     parser.add_argument("--bisect", type=int, default=0, help="sweep: points to bisect the knee")
     parser.add_argument(

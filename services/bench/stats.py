@@ -89,12 +89,30 @@ def summarize(values: Sequence[float]) -> Summary | None:
 class Slo:
     """Per-request SLOs in seconds (`--goodput ttft:500 tpot:50` gives milliseconds). `itl`
     bounds a request's second-largest gap between tokens (one stall is forgiven: the issue's
-    stall-sensitive workload W3)."""
+    stall-sensitive workload W3). `ttft_at`, (prompt tokens, seconds) pairs sorted by length,
+    scales the TTFT objective with the prompt, as "2x the peer's unloaded TTFT at the request's
+    own length" does: a request's objective is interpolated linearly by its prompt length between
+    the pairs (the end pairs hold beyond them); it replaces `ttft` when given."""
 
     ttft: float | None = None
     tpot: float | None = None
     e2e: float | None = None
     itl: float | None = None
+    ttft_at: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        lengths = [n for n, _ in self.ttft_at]
+        if lengths != sorted(set(lengths)) or any(s <= 0 for _, s in self.ttft_at):
+            raise ValueError(
+                f"ttft_at: expected increasing lengths and seconds > 0, got {self.ttft_at}"
+            )
+
+    def ttft_for(self, prompt_len: int) -> float | None:
+        """The TTFT objective (seconds) of a request of `prompt_len` tokens (None: no objective)."""
+        if not self.ttft_at:
+            return self.ttft
+        lengths = [float(n) for n, _ in self.ttft_at]
+        return float(np.interp(prompt_len, lengths, [s for _, s in self.ttft_at]))
 
     @classmethod
     def parse(cls, items: Sequence[str]) -> Slo:
@@ -112,16 +130,21 @@ class Slo:
                 raise ValueError(f"--goodput: {item!r}: not a number of milliseconds") from None
             if not values[name] > 0:
                 raise ValueError(f"--goodput: {item!r}: must be > 0 milliseconds")
-        return cls(**values)
+        return cls(
+            ttft=values.get("ttft"),
+            tpot=values.get("tpot"),
+            e2e=values.get("e2e"),
+            itl=values.get("itl"),
+        )
 
     def met(self, r: RequestResult) -> bool:
         """Whether a complete request met every SLO (a request of one token has no TPOT)."""
         if not r.complete:
             return False
-        tpot = r.tpot
+        tpot, ttft = r.tpot, self.ttft_for(r.prompt_len)
         gaps = sorted(r.itl)
         return (
-            (self.ttft is None or r.ttft <= self.ttft)
+            (ttft is None or r.ttft <= ttft)
             and (self.tpot is None or tpot is None or tpot <= self.tpot)
             and (self.e2e is None or r.e2e <= self.e2e)
             and (self.itl is None or not gaps or gaps[-min(2, len(gaps))] <= self.itl)
@@ -161,7 +184,9 @@ def point_stats(results: Sequence[RequestResult], request_rate: float, slo: Slo)
         if not r.complete:
             key = r.error or "incomplete output"
             errors[key] = errors.get(key, 0) + 1
-    has_slo = any(v is not None for v in (slo.ttft, slo.tpot, slo.e2e, slo.itl))
+    has_slo = bool(slo.ttft_at) or any(
+        v is not None for v in (slo.ttft, slo.tpot, slo.e2e, slo.itl)
+    )
     tpots = [t for r in done if (t := r.tpot) is not None]
     return PointStats(
         request_rate=request_rate,

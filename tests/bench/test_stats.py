@@ -66,6 +66,19 @@ def test_p99_needs_a_thousand_samples_else_the_max_stands_in():
     assert summarize([]) is None
 
 
+def test_a_ttft_objective_scaled_by_prompt_length():
+    # W2's objective: TTFT <= 2x the peer's unloaded TTFT at the request's own length
+    slo = Slo(ttft_at=((256, 0.4), (2048, 2.0)), itl=0.1)
+    assert slo.ttft_for(256) == 0.4 and slo.ttft_for(2048) == 2.0
+    assert slo.ttft_for(1152) == pytest.approx(1.2) and slo.ttft_for(9000) == 2.0
+    long = dataclasses.replace(_result(0, 1.5, [0.05, 0.3, 0.05]), prompt_len=2048)
+    short = dataclasses.replace(long, prompt_len=256)
+    assert slo.met(long) and not slo.met(short)  # 1.5 s meets 2.0 s, not 0.4 s
+    assert point_stats([long, short], 1.0, slo).attainment == 0.5
+    with pytest.raises(ValueError, match="^ttft_at: "):
+        Slo(ttft_at=((2048, 2.0), (256, 0.4)))
+
+
 @pytest.mark.parametrize("bad", ["ttft", "ttft:", "foo:5", "ttft:abc"])
 def test_goodput_flag_is_checked(bad):
     with pytest.raises(ValueError, match="^--goodput: "):
@@ -121,6 +134,7 @@ def test_arrivals_are_seeded_poisson_with_the_asked_rate():
         Lengths("prefix", 200, 8, prefix_len=150),
         Lengths("chat"),
         Lengths("random", 3, 2),
+        Lengths("mix", mix=((0.75, 40, 8), (0.25, 300, 4))),
     ],
 )
 def test_prompts_have_exact_token_counts_and_are_unique(default_model, lengths):
@@ -137,6 +151,9 @@ def test_prompts_have_exact_token_counts_and_are_unique(default_model, lengths):
     if lengths.dataset == "prefix":
         head = tokenizer.decode(tokenizer.encode(requests[0].prompt)[:140])
         assert all(r.prompt.startswith(head) for r in requests)
+    if lengths.dataset == "mix":
+        pairs = [(r.prompt_len, r.output_len) for r in requests]
+        assert set(pairs) == {(40, 8), (300, 4)} and pairs.count((300, 4)) < 12
     assert [r.prompt_len for r in requests] == [r.prompt_len for r in again]  # seeded lengths
     if lengths.input_len > 8:
         assert len({r.prompt for r in requests + again}) == 48  # fresh tags each run
@@ -154,6 +171,10 @@ def test_prompts_have_exact_token_counts_and_are_unique(default_model, lengths):
         (["--bisect", "-1"], "--bisect"),
         (["--goodput", "ttft:-5"], "--goodput"),
         (["--request-rate", "0"], "--request-rate"),
+        (["--dataset-name", "mix"], "--mix"),
+        (["--dataset-name", "mix", "--mix", "0.5:256"], "--mix"),
+        (["--mix", "1:256:64"], "--mix"),
+        (["--slo-headers", "--goodput", "ttft:500"], "--slo-headers"),
     ],
 )
 def test_bad_bench_flags_are_refused_by_name_before_any_request(capsys, flags, named):
@@ -162,6 +183,14 @@ def test_bad_bench_flags_are_refused_by_name_before_any_request(capsys, flags, n
     argv = ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--num-prompts", "2", *flags]
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.startswith(f"pdserve: error: {named}: ")
+
+
+def test_objectives_travel_as_llm_d_headers():
+    from services.bench.backends import objective_headers
+
+    headers = objective_headers(Slo.parse(["ttft:500", "tpot:37.5", "itl:120"]))
+    assert headers == {"x-slo-tpot-ms": "37.5", "x-slo-itl-ms": "120"}  # TTFT is not sent
+    assert objective_headers(Slo.parse(["ttft:500"])) == {}
 
 
 def test_the_itl_objective_forgives_one_stall():

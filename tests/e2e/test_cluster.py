@@ -412,7 +412,8 @@ def scrape_path(url: str, path: str) -> float:
 def test_bench_serve_drives_the_cluster_and_reports_every_request(cluster, tmp_path, api):
     """`pdserve bench serve` against the real cluster over each API: every request completes
     with its full output and no cached prompt token, each carries pdserve's timings, its
-    client-side TTFT is at least the router's, and the JSON and plot are written."""
+    client-side TTFT is at least the router's, and the JSON and plot are written. The objectives
+    travel with each request (`--slo-headers`: x-slo-* headers, gRPC objective fields)."""
     out, png = tmp_path / "run.json", tmp_path / "run.png"
     where = ["--grpc", cluster.ready["router"]]
     if api == "http":
@@ -421,8 +422,9 @@ def test_bench_serve_drives_the_cluster_and_reports_every_request(cluster, tmp_p
         [
             sys.executable, "-m", "services.cli.main", "bench", "serve", *where,
             "--num-prompts", "6", "--random-input-len", "40", "--random-output-len", "6",
-            "--request-rate", "8,16", "--goodput", "ttft:20000", "tpot:5000",
-            "--num-warmups", "2", "--json", str(out), "--plot", str(png), "--no-progress",
+            "--request-rate", "8,16", "--goodput", "ttft:20000", "tpot:5000", "itl:5000",
+            "--slo-headers", "--num-warmups", "2", "--json", str(out), "--plot", str(png),
+            "--no-progress",
         ],
         check=True, timeout=300, capture_output=True,
     )  # fmt: skip
