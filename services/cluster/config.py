@@ -48,7 +48,7 @@ class ClusterConfig:
     """The router (its host binds the router alone: workers bind worker_host), its model and
     limits the engine's."""
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
-    """The prefix index, for the router and every prefill worker."""
+    """The prefix index, for the router and every worker."""
     prefill: PrefillConfig = field(
         default_factory=PrefillConfig,
         metadata=flag(prefix="prefill-", exclude=(*_POOL, "index", "drain_timeout")),
@@ -56,7 +56,7 @@ class ClusterConfig:
     """Settings of each prefill worker (flags --prefill-*)."""
     decode: DecodeConfig = field(
         default_factory=DecodeConfig,
-        metadata=flag(prefix="decode-", exclude=(*_POOL, "drain_timeout")),
+        metadata=flag(prefix="decode-", exclude=(*_POOL, "index", "drain_timeout")),
     )
     """Settings of each decode worker (flags --decode-*)."""
     worker_host: str = "127.0.0.1"
@@ -139,8 +139,9 @@ class ClusterConfig:
                         f"{pool}.{name}: set by the cluster (worker_host, free ports, "
                         "kv_transfer_backend, core_lending)"
                     )
-        if self.prefill.index != PrefixIndexConfig():
-            raise ValueError("prefill.index: set by the cluster; set `index` instead")
+        for pool in ("prefill", "decode"):
+            if getattr(self, pool).index != PrefixIndexConfig():
+                raise ValueError(f"{pool}.index: set by the cluster; set `index` instead")
         defaults = RouterConfig()
         for name in ("model", "max_model_len", "prefill", "decode", "index", "cpus"):
             if getattr(self.router, name) != getattr(defaults, name):
@@ -158,7 +159,8 @@ class ClusterConfig:
     def decode_config(self, index: int, plan: PlacementPlan | None = None) -> DecodeConfig:
         """The config of decode worker `index` (free ports, its own engine id, its CPUs from
         `plan` unless the pool names its own)."""
-        return _placed(self._member(self.decode, index), plan.decode[index] if plan else None)
+        worker = dataclasses.replace(self._member(self.decode, index), index=self.index)
+        return _placed(worker, plan.decode[index] if plan else None)
 
     def _member(self, worker: W, index: int) -> W:
         """Pool member `index`: the cluster's engine under a fresh engine id, on free ports of

@@ -40,7 +40,7 @@ class PrefixIndexConfig:
     redis_url: str | None = None
     """Prefix index in Redis, e.g. redis://127.0.0.1:6379/0 (None: in-process, approximate)."""
     index_ttl: float = 10.0
-    """Seconds (> 0) a prefill worker stays in the Redis index without a heartbeat."""
+    """Seconds (> 0) a worker stays in the Redis index without a heartbeat."""
 
     def __post_init__(self) -> None:
         url, schemes = self.redis_url, ("redis://", "rediss://", "unix://")
@@ -217,6 +217,10 @@ class WorkerConfig:
     """The node's core ledger file (`pdserve serve` creates one): idle, this worker lends its
     CPUs to the node's other workers; busy, it borrows their lent ones. Its name there is its
     engine_id (less the suffix `pdserve serve` adds), and it may run on every CPU listed."""
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    """Where this worker publishes its prefix-cache events (Redis), if anywhere: the router
+    routes prompts by what the prefill workers hold, and predicts a local prefill by what the
+    decode worker holds."""
 
     role: typing.ClassVar[EngineRole]
 
@@ -251,8 +255,10 @@ class WorkerConfig:
             checks.check(ok, name, "must be a file path or None", value)
 
     def engine_config(self) -> EngineConfig:
-        """The engine this worker runs: its `engine` in the worker's role."""
-        return dataclasses.replace(self.engine, role=self.role)
+        """The engine this worker runs: its `engine` in the worker's role, recording
+        prefix-cache events when a Redis index is set."""
+        events = self.engine.enable_kv_events or self.index.redis_url is not None
+        return dataclasses.replace(self.engine, role=self.role, enable_kv_events=events)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -264,17 +270,10 @@ class PrefillConfig(WorkerConfig):
         metadata=flag(exclude=("role", "kv_transfer_timeout_s", "max_num_waiting_for_kv")),
     )
     """The engine (PREFILL role)."""
-    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
-    """Where this worker publishes its prefix-cache events (Redis), if anywhere."""
     debug_kv_stall_seconds: float = field(default=0.0, metadata=flag(hidden=True))
     """Test hook: hold every PullKV this long before its first chunk."""
 
     role: typing.ClassVar[EngineRole] = EngineRole.PREFILL
-
-    def engine_config(self) -> EngineConfig:
-        """PREFILL role; prefix-cache events recorded when a Redis index is set."""
-        events = self.engine.enable_kv_events or self.index.redis_url is not None
-        return dataclasses.replace(self.engine, role=self.role, enable_kv_events=events)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,5 +303,5 @@ class DecodeConfig(WorkerConfig):
     def engine_config(self) -> EngineConfig:
         """DECODE role, with the recompute test hook passed on."""
         return dataclasses.replace(
-            self.engine, role=self.role, debug_recompute_prompt=self.debug_recompute_prompt
+            super().engine_config(), debug_recompute_prompt=self.debug_recompute_prompt
         )

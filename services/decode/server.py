@@ -33,6 +33,7 @@ from services.engine.objectives import StreamObjectives
 from services.engine.outputs import KVReserved, RequestOutput
 from services.kv_transfer.control.receiver import GrpcKVReceiver
 from services.kv_transfer.cuda_ipc.export import cuda_topology
+from services.prefix_index.publisher import publish_prefix_cache
 from services.worker.cpus import worker_cpus
 from services.worker.engine_loop import EngineLoop
 from services.worker.runtime import (
@@ -243,8 +244,13 @@ def start_decode(config: DecodeConfig) -> RunningWorker:
     )
     decode.config = admin.config = effective_config(config, engine.config, service)
     loop.start()
+    publisher = publish_prefix_cache(
+        loop, service.grpc_address, config.index.redis_url, config.index.index_ttl
+    )
 
     def close() -> None:
+        if publisher is not None:
+            publisher.stop()
         loop.stop()
         transfer.close()
 

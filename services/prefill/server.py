@@ -23,8 +23,7 @@ from services.engine.errors import InvalidRequestError
 from services.kv_transfer import registry
 from services.kv_transfer.control.service import KVTransferServicer, add_kv_transfer_servicer
 from services.kv_transfer.cuda_ipc.export import cuda_topology
-from services.prefix_index.index import make_prefix_index
-from services.prefix_index.publisher import KVEventPublisher
+from services.prefix_index.publisher import publish_prefix_cache
 from services.worker.cpus import worker_cpus
 from services.worker.engine_loop import EngineLoop
 from services.worker.runtime import (
@@ -141,7 +140,9 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     prefill.kv_address = service.grpc_address
     prefill.config = admin.config = effective_config(config, engine.config, service)
     loop.start()
-    publisher = _start_publisher(config, loop, service.grpc_address)
+    publisher = publish_prefix_cache(
+        loop, service.grpc_address, config.index.redis_url, config.index.index_ttl
+    )
 
     def close() -> None:
         if publisher is not None:
@@ -157,21 +158,6 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
     worker.warm_up_and_serve(core_ledger=config.core_ledger)
     worker.join_routers(config.register_with)
     return worker
-
-
-def _start_publisher(
-    config: PrefillConfig, loop: EngineLoop, address: str
-) -> KVEventPublisher | None:
-    """With a Redis index: publish this worker's prefix-cache events under its address."""
-    if not config.index.redis_url:
-        return None
-    engine = loop.engine
-    index = make_prefix_index(
-        config.index.redis_url, engine.model_id, engine.config.block_size, config.index.index_ttl
-    )
-    publisher = KVEventPublisher(loop, index, address, heartbeat_s=config.index.index_ttl / 3)
-    publisher.start()
-    return publisher
 
 
 def serve(config: PrefillConfig) -> None:

@@ -92,3 +92,20 @@ class KVEventPublisher:
                 logger.exception("publishing prefix-cache events failed")
                 in_sync = False
                 self._stopped.wait(self.heartbeat_s)
+
+
+def publish_prefix_cache(
+    loop: EngineLoop, address: str, redis_url: str | None, ttl_s: float
+) -> KVEventPublisher | None:
+    """With a Redis index (`redis_url`): start publishing the engine's prefix-cache events under
+    the worker's `address`, heartbeating every `ttl_s` / 3 seconds; the caller stops it. None
+    without one."""
+    from services.prefix_index.index import make_prefix_index
+
+    if not redis_url:
+        return None
+    engine = loop.engine
+    index = make_prefix_index(redis_url, engine.model_id, engine.config.block_size, ttl_s)
+    publisher = KVEventPublisher(loop, index, address, heartbeat_s=ttl_s / 3)
+    publisher.start()
+    return publisher

@@ -4,7 +4,7 @@ The shape follows Ray Serve LLM's P/D builder (`build_pd_openai_app`: a `prefill
 `decode_config`, each with its own `deployment_config`), with pdserve's role configs inside:
 
     engine: {...}            # EngineConfig: every worker's engine, as for `pdserve serve`
-    index: {...}             # PrefixIndexConfig: the Redis URL, shared by router and prefill
+    index: {...}             # PrefixIndexConfig: the Redis URL, shared by router and workers
     prometheus_targets: F    # file_sd targets of every replica, written by the registry
     router_config:   {router: {...RouterConfig...}, deployment_config: {...}}
     prefill_config:  {worker: {...PrefillConfig...}, deployment_config: {...}, pin_cpus: B}

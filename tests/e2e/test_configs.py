@@ -48,9 +48,9 @@ DERIVED = {
             "register_with",
             "kv_transfer_backend",
             "core_ledger",
+            "index",
         )
     ),
-    "prefill.index",
 }
 
 

@@ -14,6 +14,8 @@ import grpc
 import pytest
 
 from services.common.pb import common_pb2, generate_pb2, worker_pb2, worker_pb2_grpc
+from services.engine.block_hash import block_hashes
+from services.prefix_index.index import make_prefix_index
 from tests.e2e.cluster import generation_stub, start, start_all, worker_info
 
 pytestmark = pytest.mark.e2e
@@ -27,9 +29,8 @@ def _start_cluster(redis_url: str):
         "prefill", "--port", "0", "--redis-url", redis_url, "--index-ttl", "3",
         "--drain-timeout", "20", "--max-num-batched-tokens", "512",
     ]  # fmt: skip
-    *prefill, decode = start_all(
-        prefill_args, prefill_args, ["decode", "--port", "0", "--drain-timeout", "20"]
-    )
+    decode_args = ["decode", "--port", "0", "--drain-timeout", "20", "--redis-url", redis_url]
+    *prefill, decode = start_all(prefill_args, prefill_args, decode_args)
     router = start(
         "router",
         "--disaggregation",
@@ -94,7 +95,7 @@ def cluster(redis_server):
     _stop(cluster)
 
 
-def test_shared_prefixes_go_to_the_worker_that_holds_them(cluster, real_text_ids):
+def test_shared_prefixes_go_to_the_worker_that_holds_them(cluster, redis_server, real_text_ids):
     prefixes = [real_text_ids[1000 * i : 1000 * i + 320] for i in range(4)]  # 20 blocks each
     owner = {}
     for i, prefix in enumerate(prefixes):  # cold: the router spreads them by load
@@ -115,6 +116,14 @@ def test_shared_prefixes_go_to_the_worker_that_holds_them(cluster, real_text_ids
                 after[owner[i]] - before[owner[i]] == 2
                 and after[1 - owner[i]] == before[1 - owner[i]]
             )
+
+    # The decode worker publishes what it holds too (the serving-path choice reads it), and
+    # prefill routing never counted it: every prompt above went to a prefill worker.
+    info = worker_info(cluster.decode.ready["grpc"], "decode")
+    index = make_prefix_index(redis_server.url, info.model_id, BLOCK, 3.0)
+    held = index.match(block_hashes(prefixes[1], BLOCK, info.model_id))
+    index.close()
+    assert held.get(cluster.decode.ready["grpc"]) == 20, held
 
     # The owner of prefix 0 forgets it: routing follows the change.
     channel = grpc.insecure_channel(cluster.prefill[owner[0]].ready["grpc"])

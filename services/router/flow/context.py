@@ -48,6 +48,7 @@ class FlowContext:
             decode_rows=routing.in_flight[decode],
             decode_context=routing.decode_context[decode],
             local_queued=routing.local_queued[decode],
+            decode_cached=routing.cached_tokens(decode, prompt_ids, cache_salt),
         )
         views = self.pool.view(prefill), self.pool.view(decode)
         choice = self.paths.choose(load, *views, self.calibration)

@@ -207,6 +207,7 @@ class RequestRun:
         routing = self.context.routing
         num_context = len(prepared.prompt_token_ids) + len(resumed)
         address = routing.pick_decode(prefer, num_context)
+        routing.learn_routed(address, [*prepared.prompt_token_ids, *resumed], prepared.cache_salt)
         self.local_tokens = num_context if kv is None else 0  # prefilling there until it lands
         routing.local_prefill(address, self.local_tokens)
         request = WorkerRequest(

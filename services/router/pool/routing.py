@@ -7,11 +7,12 @@
 - `least_loaded`: fewest queued prompt tokens (prefill) / requests in flight (decode).
 - `round_robin`: the next healthy worker in turn.
 
-With `--redis-url` the index is exact: prefill workers publish their cache events to Redis. Without
-it the router keeps an approximate in-process index of where it sent each prompt's blocks (it
-cannot see evictions, so it can only expect hits that then miss). When the index is unreachable
-the `kv` policy routes by load alone. The worker's own cache always decides what is reused, so
-no policy can change an answer.
+With `--redis-url` the index is exact: workers publish their cache events to Redis. Without it the
+router keeps an approximate in-process index of where it sent each prompt's blocks, on prefill
+and decode workers alike (it cannot see evictions, so it can only expect hits that then miss).
+Decode workers' entries serve the serving-path choice (`serving_path.py`), not prefill routing.
+When the index is unreachable the `kv` policy routes by load alone. The worker's own cache
+always decides what is reused, so no policy can change an answer.
 """
 
 from __future__ import annotations
@@ -157,8 +158,16 @@ class Routing:
             return {}
         return {a: matched.get(a, 0) * block_size for a in candidates}
 
+    def cached_tokens(self, address: str, prompt_ids: Sequence[int], cache_salt: str = "") -> int:
+        """Prompt tokens the worker at `address` (prefill or decode) holds cached, by the index
+        (0 under another policy than kv, or with the index unreachable)."""
+        if self.policy != "kv":
+            return 0
+        return self._matched_tokens([address], prompt_ids, cache_salt).get(address, 0)
+
     def learn_routed(self, address: str, prompt_ids: Sequence[int], cache_salt: str = "") -> None:
-        """Approximate mode: the worker at `address` is about to cache this prompt's full blocks."""
+        """Approximate mode: the worker at `address` (prefill, or decode: it keeps the prompts
+        it streams) is about to cache this prompt's full blocks."""
         layout = self.pool.prefill_layout()
         if not self.learn or layout is None or self.index is None:
             return

@@ -10,7 +10,8 @@ these it predicts (seconds):
 - remote: the prefill worker computes what is queued ahead of the prompt, then the prompt's
   tokens past its cached prefix, on its own threads plus the decode worker's when that one is
   idle and lends them;
-- local: the decode worker computes the local prefills ahead, then the prompt in chunks. With
+- local: the decode worker computes the local prefills ahead, then the prompt's tokens past its
+  cached prefix in chunks. With
   streams running each chunk is the largest whose step keeps the ITL objective (the engine's own
   `StepBudget`, on the same fitted cost), and every step carries the running rows; with none it
   borrows an idle prefill worker's threads, a step taking at most `BORROWED_STEP_TOKENS`.
@@ -26,8 +27,11 @@ from measured step costs rather than a fixed threshold. Without fitted costs the
 prompt length: at most `max_local_prefill_tokens` tokens local (None: `LENDING_LOCAL_PREFILL_TOKENS`
 when the decode worker lends CPUs, else 0).
 
-The router sees the prefill workers' prefix caches (the prefix index), not the decode workers':
-a local prefill is predicted with the whole prompt uncached. Torch-free.
+Both predictions count only the tokens past the prompt's cached prefix on that worker, from the
+prefix index (exact with Redis, where every worker publishes its cache; else the router's record
+of where it sent each prompt, decode workers included: a decode worker keeps the prompts it
+streamed). So a follow-up turn whose history the decode worker holds prefills its few new tokens
+there. Torch-free.
 """
 
 from __future__ import annotations
@@ -111,7 +115,8 @@ class PathLoad:
     `prefill_cached`: of them, those the prefill worker's prefix cache holds (the index's guess);
     `prefill_queued`: prompt tokens queued on that prefill worker by this router;
     `decode_rows` / `decode_context`: streams running on the decode worker and their summed
-    context (tokens); `local_queued`: prompt tokens of local prefills not yet done there.
+    context (tokens); `local_queued`: prompt tokens of local prefills not yet done there;
+    `decode_cached`: prompt tokens the decode worker's prefix cache holds (the index's guess).
     """
 
     prompt_tokens: int
@@ -120,6 +125,7 @@ class PathLoad:
     decode_rows: int = 0
     decode_context: int = 0
     local_queued: int = 0
+    decode_cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,7 +199,9 @@ def predict_local(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> fl
     rows = load.decode_rows
     contexts = (max(load.decode_context // rows, 1),) * rows if rows else ()
     queue = _chunked(cost, load.local_queued, 0, int(cap), contexts, decode.slo_itl_s)
-    return queue + _chunked(cost, load.prompt_tokens, 0, int(cap), contexts, decode.slo_itl_s)
+    cached = min(load.decode_cached, load.prompt_tokens - 1)  # the last token is always run
+    uncached = load.prompt_tokens - cached
+    return queue + _chunked(cost, uncached, cached, int(cap), contexts, decode.slo_itl_s)
 
 
 def _chunked(

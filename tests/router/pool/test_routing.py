@@ -73,4 +73,12 @@ def test_kv_routing_without_redis_learns_where_it_sent_each_prefix():
     # 4 blocks at most per worker: a long new prompt on `first` pushes the shared prefix out.
     routing.learn_routed(first, list(range(200, 280)))
     assert route(shared + [12])[1] == 0
+    # A decode worker keeps the prompts it streamed: the path choice asks what it holds, and
+    # prefill routing never sends a prompt to it.
+    decode = pool.decode[0]
+    assert routing.cached_tokens(decode, shared + [13]) == 0
+    routing.learn_routed(decode, shared + [13])
+    assert routing.cached_tokens(decode, shared + [14]) == 48
+    assert route(shared + [15])[0] in pool.prefill
+    assert Routing(pool, "least_loaded").cached_tokens(decode, shared) == 0
     pool.close()

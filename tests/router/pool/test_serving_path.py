@@ -70,6 +70,18 @@ def test_a_prefix_cached_on_the_prefill_worker_keeps_the_prompt_there():
     assert choose(PathLoad(1024, prefill_queued=300, **busy)).path == "local"
 
 
+def test_a_history_cached_on_the_decode_worker_prefills_there():
+    """A follow-up turn whose first 1,984 tokens the decode worker holds (it streamed the last
+    turn) computes 64 tokens there; the prefill worker, which never saw it, would compute 2,048.
+    Uncached, the same prompt beside the streams goes to the idle prefill pool."""
+    busy = dict(decode_rows=8, decode_context=8 * 300)
+    follow_up = choose(PathLoad(2048, decode_cached=1984, **busy), decode=TIGHT)
+    assert follow_up.path == "local" and follow_up.local_s < follow_up.remote_s / 5
+    assert choose(PathLoad(2048, **busy), decode=TIGHT).path == "remote"
+    whole = predict_local(LENDER, TIGHT, PathLoad(2048, decode_cached=2048, **busy))
+    assert whole > 0  # a fully cached prompt still runs its last token
+
+
 def test_local_prefills_queued_on_the_decode_worker_count():
     base = PathLoad(256, decode_rows=1, decode_context=100, prefill_queued=256)
     assert choose(base).path == "local"
