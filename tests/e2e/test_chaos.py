@@ -37,7 +37,7 @@ if os.environ.get("PDSERVE_CHAOS_FULL") == "1":
     NUM_REQUESTS, MAX_TOKENS = 120, 24
     FAULTS = ["decode-0", "prefill-1", "redis", "decode-1", "prefill-0", "redis", "decode-0"]
 else:
-    NUM_REQUESTS, MAX_TOKENS = 28, 16
+    NUM_REQUESTS, MAX_TOKENS = 20, 12
     FAULTS = ["decode-0", "prefill-1", "redis"]
 WORKERS = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
 KV_BYTES = str(64 << 20)
