@@ -139,6 +139,8 @@ class Scheduler:
             self.last_prefill_budget = None
             return cap
         itl, tpot = self.config.slo_itl_ms / 1000, self.config.slo_tpot_ms / 1000
+        contexts = [r.num_tokens for r in decodes]
+        decode_s = self.step_budget.decode_step_s(contexts)
         step_s = min(
             allowed_step_s(
                 itl if r.objectives.itl_s is None else r.objectives.itl_s,
@@ -146,12 +148,13 @@ class Scheduler:
                 r.first_token_time,
                 r.num_output_tokens,
                 now,
+                remaining_tokens=r.sampling_params.max_tokens - r.num_output_tokens - 1,
+                decode_step_s=decode_s,
             )
             for r in decodes
         )
         chunked = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         cached = chunked[0].num_computed_tokens if chunked else 0
-        contexts = [r.num_tokens for r in decodes]
         tokens = self.step_budget.prefill_tokens(contexts, cached, step_s, cap - len(decodes))
         self.last_prefill_budget = tokens
         return tokens

@@ -23,18 +23,35 @@ BORROWED_STEP_TOKENS = 256
 (`services/worker/core_lending.py`): the owner waits at most one such step for them."""
 
 
+TPOT_HORIZON_TOKENS = 16
+"""How many of a stream's coming tokens may lend their projected TPOT slack to a step now: a
+mean-TPOT objective is met over the whole output, so a stream whose decode steps run faster
+than its objective can absorb one longer step early. Capped because a stream may stop before
+max_tokens (EOS, a stop string) and never earn the rest."""
+
+
 def allowed_step_s(
-    itl_s: float, tpot_s: float, first_token_at: float | None, num_output_tokens: int, now: float
+    itl_s: float,
+    tpot_s: float,
+    first_token_at: float | None,
+    num_output_tokens: int,
+    now: float,
+    remaining_tokens: int = 0,
+    decode_step_s: float = 0.0,
 ) -> float:
     """The longest step (seconds) one running stream allows now: its ITL objective `itl_s`,
-    shortened to its TPOT slack (the time left before its mean TPOT objective `tpot_s` would be
-    missed by the token this step makes: first token at `first_token_at`, `num_output_tokens`
-    tokens so far, `now` in the same clock), never below `tpot_s` (a stream that is behind
-    catches up at one objective a step). A stream ahead of its TPOT lends the rest to a prefill
-    chunk, as SLOs-Serve plans by slack."""
+    shortened to its TPOT slack, never below `tpot_s` (a stream that is behind is held at one
+    objective a step). The slack is the time left before its mean TPOT objective `tpot_s`
+    would be missed by the token this step makes (first token at `first_token_at`,
+    `num_output_tokens` tokens so far, `now` in the same clock), plus what its next
+    min(`remaining_tokens`, TPOT_HORIZON_TOKENS) tokens are projected to save, each at
+    `decode_step_s` (a decode step without a chunk) against `tpot_s`. A stream ahead of its
+    TPOT lends the rest to a prefill chunk, as SLOs-Serve (2025) plans by slack."""
     if first_token_at is None:
         return itl_s
     slack = first_token_at + tpot_s * num_output_tokens - now
+    coming = max(0, min(remaining_tokens, TPOT_HORIZON_TOKENS))
+    slack += max(0.0, tpot_s - decode_step_s) * coming
     return min(itl_s, max(slack, tpot_s))
 
 
@@ -44,6 +61,12 @@ class StepBudget:
 
     cost: StepCost
     min_chunk_tokens: int = MIN_CHUNK_TOKENS
+
+    def decode_step_s(self, decode_contexts: Sequence[int]) -> float:
+        """Predicted seconds of a step of these decode rows alone (no chunk; 0.0 without rows)."""
+        if not decode_contexts:
+            return 0.0
+        return self.cost.predict(StepShape(decode_contexts=tuple(decode_contexts)))
 
     def prefill_tokens(
         self, decode_contexts: Sequence[int], cached: int, itl_s: float, cap: int

@@ -11,7 +11,7 @@ from services.cost_model.step_cost import StepCost
 from services.engine import SamplingParams
 from services.engine.errors import InvalidRequestError
 from services.engine.objectives import StreamObjectives
-from services.engine.step_budget import StepBudget, allowed_step_s
+from services.engine.step_budget import TPOT_HORIZON_TOKENS, StepBudget, allowed_step_s
 from tests.engine.helpers import GREEDY, make_engine
 from tests.reference import assert_equivalent, hf_greedy
 
@@ -94,6 +94,23 @@ def test_a_streams_allowance_is_its_itl_objective_shortened_to_its_tpot_slack(
     first_token_at, num_output_tokens, expected
 ):
     allowed = allowed_step_s(0.250, 0.050, first_token_at, num_output_tokens, now=0.0)
+    assert allowed == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("remaining", "decode_step_s", "expected"),
+    [
+        (0, 0.030, 0.050),  # its last token: nothing to come, on time: one objective
+        (4, 0.030, 0.080),  # 4 tokens to come at 30 ms save 4 x 20 ms against 50 ms
+        (40, 0.030, 0.250),  # only TPOT_HORIZON_TOKENS of them count, and the ITL caps it
+        (40, 0.060, 0.050),  # decode steps slower than the objective save nothing
+    ],
+)
+def test_the_coming_tokens_lend_their_projected_tpot_slack(remaining, decode_step_s, expected):
+    """A stream exactly on its mean TPOT (10 tokens in 0.5 s at 50 ms) may take a longer step
+    now when its next tokens are projected to come faster than the objective."""
+    assert TPOT_HORIZON_TOKENS == 16
+    allowed = allowed_step_s(0.250, 0.050, -0.5, 10, 0.0, remaining, decode_step_s)
     assert allowed == pytest.approx(expected)
 
 
