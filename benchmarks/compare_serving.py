@@ -198,6 +198,11 @@ def main() -> int:
         "--workload", choices=("W1", "W2", "W3", "W4", "U"), help="run one sitting of the suite"
     )
     suite.add_argument(
+        "--rows",
+        default="",
+        help="the suite's rows to run, comma-separated (default: all; vllm always runs)",
+    )
+    suite.add_argument(
         "--unloaded", type=int, default=10, help="requests per length measuring T0 and P0"
     )
     suite.add_argument(
@@ -211,7 +216,8 @@ def main() -> int:
         from benchmarks import suite
 
         if args.quick:
-            args.num_prompts, args.repeats, args.warmup, args.unloaded = 12, 1, 4, 3
+            args.repeats, args.warmup, args.unloaded = 1, 4, 3
+            args.num_prompts = 12 if args.num_prompts == 128 else args.num_prompts
             args.vllm_budgets = args.vllm_budgets[-1:]
         return suite.run(args)
     args.json = args.json or str(RESULTS / "compare_serving.json")

@@ -7,11 +7,13 @@ side on vLLM's CPU server, pdserve colocated, pdserve's fixed 1+1 split, and pds
 
 The sitting, in order:
 1. T0 and P0: vLLM (default settings) unloaded, `--unloaded` requests per prompt length sent one
-   at a time; the workload's objectives follow from them (`Workload.objectives`).
+   at a time; the workload's objectives follow from them (`Workload.objectives`). Every other
+   system's unloaded TTFT is measured the same way, for its search's start.
 2. vLLM's `--max-num-batched-tokens` from a one-rate pre-pass over `--vllm-budgets` at the
    predicted knee (vLLM restarted for each; the best attainment wins, then the lower TTFT p90).
 3. The rate search, per row (`workloads.next_rate`): from the knee predicted by pdserve's fitted
-   step costs, the rows alternating point by point, each point `workloads.point_requests` long.
+   step costs and the row's unloaded TTFT (`workloads.predicted_knee`), the rows alternating
+   point by point, each point `workloads.point_requests` long.
 4. `--repeats` paired repeats: every row again at both rates of its knee, the rows alternating.
 Results: benchmarks/results/suite_<workload>.json (and its plot); tables via
 `compare_report.py --suite`.
@@ -110,10 +112,10 @@ class Sitting:
             send, self.requests(count, seed), rate, slo, seed=seed, progress=False
         )
 
-    async def unloaded(self, count: int) -> tuple[dict[int, float], float]:
-        """vLLM's T0 (seconds by prompt length) and P0 (seconds): medians of `count` requests
-        per prompt length, one at a time."""
-        send = http_sender(Target(base_url=self.systems["vllm"].url, model=MODEL), self.session)
+    async def unloaded(self, system: str, count: int) -> tuple[dict[int, float], float]:
+        """`system`'s unloaded TTFT (seconds by prompt length) and TPOT (seconds): medians of
+        `count` requests per prompt length, one at a time (vLLM's are T0 and P0)."""
+        send = http_sender(Target(base_url=self.systems[system].url, model=MODEL), self.session)
         t0, tpots = {}, []
         for _, prompt, output in self.workload.shapes():
             alone = self.requests(count, 7, Lengths("random", prompt, output))
@@ -130,9 +132,10 @@ class Sitting:
             await run_point(send, self.requests(count, 99), float("inf"), Slo(), progress=False)
 
 
-def knee_start(workload: Workload, systems: list[System], t0: dict[int, float], p0: float) -> float:
-    """The search's first rate: `predicted_knee` on pdserve's saved step costs at the most
-    threads, else (no saved costs) the same utilisation over T0 plus each output at P0 / 8."""
+def knee_start(workload: Workload, slo: Slo, unloaded_ttft: dict[int, float], p0: float) -> float:
+    """A row's first rate: `predicted_knee` on pdserve's saved step costs at the most threads,
+    from the row's own unloaded TTFT; without saved costs, the same utilisation over its
+    unloaded TTFT plus each output token at P0 / 8."""
     from services.cost_model import store
     from services.engine.loader import resolve_model
 
@@ -142,9 +145,9 @@ def knee_start(workload: Workload, systems: list[System], t0: dict[int, float], 
     except (OSError, ValueError):
         costs = []
     if costs:
-        return predicted_knee(workload, max(costs, key=lambda c: c.threads))
+        return predicted_knee(workload, max(costs, key=lambda c: c.threads), slo, unloaded_ttft)
     total = sum(w for w, _, _ in workload.shapes())
-    seconds = sum(w / total * (t0[n] + out * p0 / 8) for w, n, out in workload.shapes())
+    seconds = sum(w / total * (unloaded_ttft[n] + out * p0 / 8) for w, n, out in workload.shapes())
     return 0.5 / seconds
 
 
@@ -169,14 +172,14 @@ def _line(row: Row, repeat: int, p: dict[str, Any]) -> str:
 
 
 async def _search(
-    sitting: Sitting, rows: list[Row], slo: Slo, start: float, counted: Callable[[float], int],
-    save: Callable[[], None], runs: list[dict[str, list[dict]]],
+    sitting: Sitting, rows: list[Row], slo: Slo, starts: dict[str, float],
+    counted: Callable[[float], int], save: Callable[[], None], runs: list[dict[str, list[dict]]],
 ) -> None:  # fmt: skip
-    """Repeat 0: each row's rate search, the rows alternating one point at a time."""
+    """Repeat 0: each row's rate search from its start, the rows alternating point by point."""
     points = runs[0]
     while True:
         plan = {
-            row.name: next_rate([SimpleNamespace(**p) for p in points[row.name]], start)
+            row.name: next_rate([SimpleNamespace(**p) for p in points[row.name]], starts[row.name])
             for row in rows
         }
         if all(rate is None for rate in plan.values()):
@@ -239,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
     workload = SUITE[args.workload]
     counted = (lambda rate: args.num_prompts) if args.quick else point_requests
     out = Path(args.json or RESULTS / f"suite_{args.workload}.json")
-    rows = list(ROWS)
+    asked = set(args.rows.split(",")) if args.rows else {row.name for row in ROWS}
+    rows = [row for row in ROWS if row.name in asked | {"vllm"}]
     systems = start_systems(
         sorted({r.system for r in rows}, key=lambda n: n != "vllm"), Path(args.vllm_venv)
     )
@@ -260,17 +264,23 @@ def run(args: argparse.Namespace) -> int:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             sitting = Sitting(systems, workload, session)
             await sitting.warm(args.warmup)
-            t0, p0 = await sitting.unloaded(args.unloaded)
+            unloaded = {s.name: await sitting.unloaded(s.name, args.unloaded) for s in systems}
+        t0, p0 = unloaded["vllm"]
         slo = workload.objectives(t0, p0)
-        start = knee_start(workload, systems, t0, p0)
-        data.update(t0_s=t0, p0_s=p0, objectives=dataclasses.asdict(slo), start_rate=start)
-        print(f"T0 {t0} s, P0 {p0 * 1e3:.1f} ms; objectives {slo}; start {start:.3f} req/s")
+        starts = {row.name: knee_start(workload, slo, unloaded[row.system][0], p0) for row in rows}
+        data.update(t0_s=t0, p0_s=p0, objectives=dataclasses.asdict(slo), start_rates=starts)
+        data["unloaded"] = {name: {"ttft_s": t, "tpot_s": p} for name, (t, p) in unloaded.items()}
+        print(f"T0 {t0} s, P0 {p0 * 1e3:.1f} ms; objectives {slo}")
+        print("unloaded:", {n: (t, round(p * 1e3, 1)) for n, (t, p) in unloaded.items()})
+        print("starts:", {n: round(r, 3) for n, r in starts.items()}, flush=True)
         if len(args.vllm_budgets) > 1:
-            data["vllm_prepass"] = await _prepass(systems, args, workload, slo, start, counted)
+            data["vllm_prepass"] = await _prepass(
+                systems, args, workload, slo, starts["vllm"], counted
+            )
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             sitting = Sitting(systems, workload, session)
             await sitting.warm(args.warmup)
-            await _search(sitting, rows, slo, start, counted, save, runs)
+            await _search(sitting, rows, slo, starts, counted, save, runs)
             await _repeats(sitting, rows, slo, args.repeats, counted, save, runs)
 
     try:

@@ -38,7 +38,8 @@ def ratios(data: dict[str, Any], row: str, against: list[str]) -> list[float | N
     theirs = [goodputs(data, name) for name in against]
     out: list[float | None] = []
     for i, value in enumerate(mine):
-        best = max((g[i] for g in theirs if g[i] is not None), default=None)
+        known = [v for g in theirs if (v := g[i]) is not None]
+        best = max(known) if known else None
         out.append(None if value is None or best is None else value / best)
     return out
 
@@ -82,7 +83,11 @@ def report(data: dict[str, Any]) -> str:
         "|---|" + "---:|" * len(data["runs"]),
     ]
     for row in data["runs"][0]:
-        cells = ["< lowest" if g is None else f"{g:.3f}" for g in goodputs(data, row)]
+        lowest = [min((p["request_rate"] for p in run[row]), default=0.0) for run in data["runs"]]
+        cells = [
+            f"< {low:.3f}" if g is None else f"{g:.3f}"
+            for g, low in zip(goodputs(data, row), lowest, strict=True)
+        ]
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
     lines += ["", knee_latencies(data), ""]
     if name in TARGETS:

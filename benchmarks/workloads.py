@@ -15,7 +15,8 @@ the machine and are set by the peer.
 Goodput is DistServe's (Zhong et al., OSDI 2024): the highest Poisson rate at which at least 90%
 of requests meet every objective (`sweep.goodput`: the highest passing rate below the lowest
 failing one). `next_rate` searches a geometric grid of GRID_STEP steps from a predicted knee
-(`predicted_knee`, from the fitted step-cost model), then bisects the knee geometrically until
+(`predicted_knee`: the fitted step-cost model, the row's own unloaded TTFT and the TTFT
+objective's headroom over it), then bisects the knee geometrically until
 the failing rate is within RESOLUTION of the passing one.
 
 No I/O here: `suite.py` runs it, `tests/bench/test_workloads.py` checks it on fake servers.
@@ -36,7 +37,8 @@ GRID_STEP = 1.15  # the rate grid's ratio between neighbours
 RESOLUTION = 1.10  # the search stops when failing rate / passing rate <= this
 FLOOR_RATE = 0.1  # req/s: a system failing here has goodput "< 0.1"
 MIN_REQUESTS, MIN_POINT_S = 150, 180.0  # per point, whichever gives more requests
-KNEE_UTILISATION = 0.5  # M/D/1: the p90 queueing wait reaches a service time near rho = 0.5
+P90_OVER_MEAN_WAIT = 2.3  # an exponential-tailed wait: p90 = ln(10) x the mean
+UTILISATION_BOUNDS = (0.05, 0.9)  # where a search may start
 
 W2_MIX = ((0.85, 256, 64), (0.15, 2048, 64))
 
@@ -89,18 +91,38 @@ def point_requests(rate: float) -> int:
     return max(MIN_REQUESTS, math.ceil(rate * MIN_POINT_S))
 
 
-def predicted_knee(workload: Workload, cost: StepCost) -> float:
-    """Where the search starts (req/s): KNEE_UTILISATION over one request's predicted engine
-    seconds on the fitted `cost` (its prompt's prefill alone, plus its output tokens at the
-    per-row share of an 8-row decode step at its mean context)."""
-    seconds = 0.0
+def knee_utilisation(objective_s: float, service_s: float) -> float:
+    """The utilisation at which a prompt's p90 queueing wait uses up its TTFT headroom
+    (`objective_s` - `service_s`, its unloaded TTFT): an M/D/1 queue's mean wait is
+    rho * s / (2 (1 - rho)), and its p90 about P90_OVER_MEAN_WAIT times that; kept within
+    UTILISATION_BOUNDS."""
+    headroom = objective_s - service_s
+    low, high = UTILISATION_BOUNDS
+    if headroom <= 0:
+        return low
+    rho = headroom / (headroom + P90_OVER_MEAN_WAIT * service_s / 2)
+    return min(max(rho, low), high)
+
+
+def predicted_knee(
+    workload: Workload, cost: StepCost, slo: Slo, unloaded_ttft: Mapping[int, float]
+) -> float:
+    """Where a row's search starts (req/s): the utilisation its TTFT headroom allows
+    (`knee_utilisation`, from its own unloaded TTFT by prompt length and the objective; the
+    tightest of the workload's prompt lengths) over one request's engine seconds on the fitted
+    `cost`: its prompt's prefill alone (or its unloaded TTFT, if longer: a prefill worker of
+    fewer threads) plus its output tokens at the per-row share of an 8-row decode step."""
+    seconds, rho = 0.0, 1.0
     total = sum(w for w, _, _ in workload.shapes())
     for weight, prompt, output in workload.shapes():
         prefill = cost.predict(StepShape(chunks=((prompt, 0),)))
+        service = max(prefill, unloaded_ttft[prompt])
         context = prompt + output // 2
         per_row = cost.predict(StepShape(decode_contexts=(context,) * 8)) / 8
-        seconds += weight / total * (prefill + output * per_row)
-    return KNEE_UTILISATION / seconds
+        seconds += weight / total * (service + output * per_row)
+        objective = slo.ttft_for(prompt)
+        rho = min(rho, knee_utilisation(math.inf if objective is None else objective, service))
+    return rho / seconds
 
 
 def next_rate(points: Sequence[Rated], start: float) -> float | None:

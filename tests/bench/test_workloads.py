@@ -12,6 +12,7 @@ from benchmarks.workloads import (
     FLOOR_RATE,
     RESOLUTION,
     SUITE,
+    knee_utilisation,
     next_rate,
     point_requests,
     predicted_knee,
@@ -41,13 +42,22 @@ def test_points_hold_150_requests_or_3_minutes():
     assert point_requests(0.2) == 150 and point_requests(2.0) == 360
 
 
-def test_the_knee_is_predicted_from_the_step_costs():
+def test_the_knee_is_predicted_from_the_step_costs_and_the_ttft_headroom():
     # 1 ms per prefill token and 10 ms per decode step of 8 rows: a 256/64 request costs
-    # 0.256 + 64 * 0.010 / 8 = 0.336 s of engine time; the search starts at half the capacity
+    # 0.256 + 64 * 0.010 / 8 = 0.336 s of engine time
     cost = StepCost(2, (0.0, 1e-3, 0.0, 0.0, 0.010 / 8, 0.0))
-    assert predicted_knee(SUITE["W1"], cost) == pytest.approx(0.5 / 0.336)
+    slo = SUITE["W1"].objectives({256: 0.256}, 0.03)  # TTFT <= 512 ms: 256 ms of headroom
+    rho = 0.256 / (0.256 + 2.3 * 0.256 / 2)
+    assert predicted_knee(SUITE["W1"], cost, slo, {256: 0.256}) == pytest.approx(rho / 0.336)
+    # a row whose unloaded TTFT is 0.48 s (one thread) has 32 ms of headroom: it starts low
+    slow = predicted_knee(SUITE["W1"], cost, slo, {256: 0.48})
+    assert slow == pytest.approx(0.032 / (0.032 + 2.3 * 0.48 / 2) / (0.48 + 0.08))
+    assert knee_utilisation(0.4, 0.5) == 0.05 and knee_utilisation(100.0, 0.1) == 0.9
+    slo2 = SUITE["W2"].objectives({256: 0.256, 2048: 2.048}, 0.03)
     mixed = 0.85 * 0.336 + 0.15 * (2.048 + 0.08)
-    assert predicted_knee(SUITE["W2"], cost) == pytest.approx(0.5 / mixed)
+    assert predicted_knee(SUITE["W2"], cost, slo2, {256: 0.256, 2048: 2.048}) == pytest.approx(
+        rho / mixed
+    )
 
 
 @pytest.mark.parametrize(("capacity", "start"), [(1.37, 0.5), (0.42, 3.0), (2.0, 2.1)])
