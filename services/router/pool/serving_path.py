@@ -17,13 +17,13 @@ these it predicts (seconds):
   borrows an idle prefill worker's threads, a step taking at most `BORROWED_STEP_TOKENS`.
 
 Each prediction is scaled by the ratio of observed to predicted first-token times of that path's
-recent requests (`PathCalibration`): what the fitted costs miss, such as a core shared with the
-router, the hand-over of borrowed threads or the serving path's own milliseconds, is measured,
-not modelled. The prompt goes where its predicted TTFT is lower (local on a tie: it ships no
-KV). This is
-conditional disaggregation by load and cache (Dynamo's disaggregated router and Splitwise's mixed
-pool decide by prefill length and queue; llm-d by uncached tokens), with the decision predicted
-from measured step costs rather than a fixed threshold. Without fitted costs the rule is the
+recent requests (`PathCalibration`, returning to 1 within seconds without new ones): what the
+fitted costs miss, such as a core shared with the router, the hand-over of borrowed threads or
+the serving path's own milliseconds, is measured, not modelled. The prompt goes where its
+predicted TTFT is lower (local on a tie: it ships no KV). This is conditional disaggregation
+by load and cache (Dynamo's disaggregated router and Splitwise's mixed pool decide by prefill
+length and queue; llm-d by uncached tokens), with the decision predicted from measured step
+costs rather than a fixed threshold. Without fitted costs the rule is the
 prompt length: at most `max_local_prefill_tokens` tokens local (None: `LENDING_LOCAL_PREFILL_TOKENS`
 when the decode worker lends CPUs, else 0).
 
@@ -40,7 +40,8 @@ import dataclasses
 import json
 import math
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.cost_model import store
@@ -57,6 +58,12 @@ CALIBRATION_WEIGHT = 0.2
 """Weight of the newest observation in `PathCalibration`'s exponentially weighted ratio."""
 CALIBRATION_BOUNDS = (0.5, 4.0)
 """The range a path's observed / predicted ratio is kept in (one outlier cannot flip a path)."""
+CALIBRATION_DECAY_S = 10.0
+"""Time constant (seconds) over which a path's ratio returns to 1.0 without new observations: a
+path judged slow under a burst is chosen less, so it would otherwise keep the burst's ratio
+long after the burst (measured: under the suite's quick W1 check, after a point past the knee
+the local path's ratio sent half of a lighter point's prompts to a one-core prefill worker
+whose TTFT missed the objective)."""
 
 
 @dataclass(frozen=True)
@@ -148,11 +155,14 @@ class PathChoice:
 class PathCalibration:
     """Observed over predicted seconds to the first token, per path, as an exponentially
     weighted mean (`CALIBRATION_WEIGHT`, kept within `CALIBRATION_BOUNDS`; 1.0 until a path's
-    first observation). One per router; thread-safe."""
+    first observation) that decays back to 1.0 between observations (`CALIBRATION_DECAY_S`).
+    One per router; thread-safe. `clock`: seconds (time.monotonic)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
+        self._clock = clock
         self._ratio = dict.fromkeys(PATHS, 1.0)
+        self._at = dict.fromkeys(PATHS, 0.0)  # when each ratio was last set
 
     def observe(self, path: str, predicted_s: float, observed_s: float) -> None:
         """One request's `path` ("local" | "remote") was predicted to reach its first token in
@@ -164,13 +174,19 @@ class PathCalibration:
         low, high = CALIBRATION_BOUNDS
         ratio = min(max(observed_s / predicted_s, low), high)
         with self._lock:
-            old = self._ratio[path]
+            now = self._clock()
+            old = self._decayed(path, now)
             self._ratio[path] = old + CALIBRATION_WEIGHT * (ratio - old)
+            self._at[path] = now
 
     def scale(self, path: str) -> float:
         """The factor `path`'s predictions are multiplied by."""
         with self._lock:
-            return self._ratio[path]
+            return self._decayed(path, self._clock())
+
+    def _decayed(self, path: str, now: float) -> float:
+        weight = math.exp(-max(now - self._at[path], 0.0) / CALIBRATION_DECAY_S)
+        return 1.0 + (self._ratio[path] - 1.0) * weight
 
 
 def predict_remote(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float | None:

@@ -5,6 +5,7 @@ modes, and the router's bookkeeping behind the loads (routing.py, flow/context.p
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -16,6 +17,7 @@ from services.router.flow.context import FlowContext
 from services.router.pool.routing import Routing
 from services.router.pool.serving_path import (
     CALIBRATION_BOUNDS,
+    CALIBRATION_DECAY_S,
     LENDING_LOCAL_PREFILL_TOKENS,
     PathCalibration,
     PathLoad,
@@ -93,7 +95,8 @@ def test_observed_first_token_times_calibrate_the_path_they_were_predicted_for()
     path, twice as slow as fitted: a core shared with the router) is predicted slower from
     then on, and the choice flips; one wild observation moves the ratio by a bounded step."""
     load = PathLoad(512, decode_rows=1, decode_context=300, local_queued=1024)
-    calibration = PathCalibration()
+    now = [100.0]
+    calibration = PathCalibration(clock=lambda: now[0])
     first = AUTO.choose(load, LENDER, LENDER, calibration)
     assert first.path == "remote" and first.scale == 1.0
     for _ in range(20):
@@ -108,6 +111,13 @@ def test_observed_first_token_times_calibrate_the_path_they_were_predicted_for()
     calibration.observe("local", 0.0, 1.0)  # no prediction: ignored
     with pytest.raises(ValueError, match="path"):
         calibration.observe("sideways", 1.0, 1.0)
+    # Unobserved, a ratio returns to 1: a path judged slow in a burst is tried again after it.
+    remote = calibration.scale("remote")
+    now[0] += CALIBRATION_DECAY_S
+    assert calibration.scale("remote") == pytest.approx(1 + (remote - 1) / math.e)
+    now[0] += 10 * CALIBRATION_DECAY_S
+    assert calibration.scale("remote") == pytest.approx(1.0, abs=1e-4)
+    assert AUTO.choose(load, LENDER, LENDER, calibration).path == "remote"
 
 
 def test_without_fitted_costs_or_lending_the_length_rule_decides():
