@@ -24,10 +24,12 @@ BORROWED_STEP_TOKENS = 256
 
 
 TPOT_HORIZON_TOKENS = 16
-"""How many of a stream's coming tokens may lend their projected TPOT slack to a step now: a
-mean-TPOT objective is met over the whole output, so a stream whose decode steps run faster
-than its objective can absorb one longer step early. Capped because a stream may stop before
-max_tokens (EOS, a stop string) and never earn the rest."""
+"""How many of a stream's coming tokens may lend their projected TPOT slack to a step now, at
+least (a stream that has made more tokens than this counts as many coming as it has made, up
+to what max_tokens leaves): a mean-TPOT objective is met over the whole output, so a stream
+whose decode steps run faster than its objective can absorb a longer step early. Capped because
+a stream may stop before max_tokens (EOS, a stop string) and never earn the rest; a stream that
+has run long is taken to run about as long again."""
 
 
 def allowed_step_s(
@@ -44,13 +46,13 @@ def allowed_step_s(
     objective a step). The slack is the time left before its mean TPOT objective `tpot_s`
     would be missed by the token this step makes (first token at `first_token_at`,
     `num_output_tokens` tokens so far, `now` in the same clock), plus what its next
-    min(`remaining_tokens`, TPOT_HORIZON_TOKENS) tokens are projected to save, each at
-    `decode_step_s` (a decode step without a chunk) against `tpot_s`. A stream ahead of its
+    min(`remaining_tokens`, max(TPOT_HORIZON_TOKENS, `num_output_tokens`)) tokens are projected
+    to save, each at `decode_step_s` (a decode step without a chunk) against `tpot_s`. A stream ahead of its
     TPOT lends the rest to a prefill chunk, as SLOs-Serve (2025) plans by slack."""
     if first_token_at is None:
         return itl_s
     slack = first_token_at + tpot_s * num_output_tokens - now
-    coming = max(0, min(remaining_tokens, TPOT_HORIZON_TOKENS))
+    coming = max(0, min(remaining_tokens, max(TPOT_HORIZON_TOKENS, num_output_tokens)))
     slack += max(0.0, tpot_s - decode_step_s) * coming
     return min(itl_s, max(slack, tpot_s))
 

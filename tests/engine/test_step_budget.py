@@ -102,7 +102,8 @@ def test_a_streams_allowance_is_its_itl_objective_shortened_to_its_tpot_slack(
     [
         (0, 0.030, 0.050),  # its last token: nothing to come, on time: one objective
         (4, 0.030, 0.080),  # 4 tokens to come at 30 ms save 4 x 20 ms against 50 ms
-        (40, 0.030, 0.250),  # only TPOT_HORIZON_TOKENS of them count, and the ITL caps it
+        (40, 0.040, 0.160),  # only TPOT_HORIZON_TOKENS of them count: 16 x 10 ms
+        (40, 0.030, 0.250),  # ... and the ITL objective caps it
         (40, 0.060, 0.050),  # decode steps slower than the objective save nothing
     ],
 )
@@ -112,6 +113,12 @@ def test_the_coming_tokens_lend_their_projected_tpot_slack(remaining, decode_ste
     assert TPOT_HORIZON_TOKENS == 16
     allowed = allowed_step_s(0.250, 0.050, -0.5, 10, 0.0, remaining, decode_step_s)
     assert allowed == pytest.approx(expected)
+
+
+def test_a_stream_that_ran_long_is_taken_to_run_as_long_again():
+    """30 tokens made on time: 30 of its 100 coming ones count (30 x 5 ms), not 16."""
+    allowed = allowed_step_s(0.250, 0.050, -1.5, 30, 0.0, 100, 0.045)
+    assert allowed == pytest.approx(30 * 0.005)
 
 
 def test_a_stream_behind_its_tpot_objective_shrinks_the_chunk(tiny_model):
