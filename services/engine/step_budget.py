@@ -47,8 +47,9 @@ def allowed_step_s(
     would be missed by the token this step makes (first token at `first_token_at`,
     `num_output_tokens` tokens so far, `now` in the same clock), plus what its next
     min(`remaining_tokens`, max(TPOT_HORIZON_TOKENS, `num_output_tokens`)) tokens are projected
-    to save, each at `decode_step_s` (a decode step without a chunk) against `tpot_s`. A stream ahead of its
-    TPOT lends the rest to a prefill chunk, as SLOs-Serve (2025) plans by slack."""
+    to save, each at `decode_step_s` (a decode step without a chunk) against `tpot_s`. A
+    stream ahead of its TPOT lends the rest to a prefill chunk, as SLOs-Serve (2025) plans by
+    slack."""
     if first_token_at is None:
         return itl_s
     slack = first_token_at + tpot_s * num_output_tokens - now
