@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -117,8 +118,28 @@ def generate(stub, timeout: float = 120, **request) -> tuple[list[int], str, str
     return token_ids, text, finish
 
 
+FIXED_PORTS_FROM = 20000  # free_port's range starts here (below it: services a machine runs)
+
+
 def free_port() -> int:
-    """A loopback port that was free a moment ago (for configs that name their ports)."""
+    """A loopback port that was free a moment ago (for configs that name their ports), from
+    below the kernel's ephemeral range when it leaves room: every port-0 bind and outbound
+    connection takes its port from that range, so none can take this one before the config's
+    process binds it (or binds it again after a restart)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    rng = random.Random()
+    for _ in range(100 if ephemeral_low > FIXED_PORTS_FROM + 1000 else 0):
+        port = rng.randrange(FIXED_PORTS_FROM, ephemeral_low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
