@@ -36,8 +36,7 @@ class FlowContext:
         if self.paths.disaggregation != "auto":
             return self.paths.choose(PathLoad(len(prompt_ids)), None, None)
         try:
-            prefill, cached = self.routing.peek_prefill(prompt_ids, cache_salt)
-            decode = self.routing.peek_decode()
+            prefill, cached, decode, decode_cached = self.routing.peek(prompt_ids, cache_salt)
         except ServiceUnavailableError:  # a pool without workers: the length rule says which
             return self.paths.choose(PathLoad(len(prompt_ids)), None, None)
         routing = self.routing
@@ -48,7 +47,7 @@ class FlowContext:
             decode_rows=routing.in_flight[decode],
             decode_context=routing.decode_context[decode],
             local_queued=routing.local_queued[decode],
-            decode_cached=routing.cached_tokens(decode, prompt_ids, cache_salt),
+            decode_cached=decode_cached,
         )
         views = self.pool.view(prefill), self.pool.view(decode)
         choice = self.paths.choose(load, *views, self.calibration)

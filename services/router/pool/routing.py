@@ -97,19 +97,39 @@ class Routing:
             self.queued_tokens[address] += len(prompt_ids)
         return address, expected
 
-    def peek_prefill(self, prompt_ids: Sequence[int], cache_salt: str = "") -> tuple[str, int]:
-        """What `pick_prefill` would answer now, without taking the worker. Raises
-        ServiceUnavailableError when no prefill worker is configured."""
-        return self._best_prefill(self.pool.healthy_prefill(), prompt_ids, cache_salt)
+    def peek(self, prompt_ids: Sequence[int], cache_salt: str = "") -> tuple[str, int, str, int]:
+        """What `pick_prefill` and `pick_decode` would answer now, without taking either
+        worker: (prefill address, the prompt tokens it holds cached, decode address, the prompt
+        tokens it holds cached), from one prefix-index lookup (cached counts are 0 under a
+        policy other than kv). Raises ServiceUnavailableError when a pool has no worker
+        configured."""
+        candidates = self.pool.healthy_prefill()
+        decode = self.peek_decode()
+        matched = (
+            self._matched_tokens([*candidates, decode], prompt_ids, cache_salt)
+            if self.policy == "kv"
+            else {}
+        )
+        prefill, cached = self._best_prefill(candidates, prompt_ids, cache_salt, matched)
+        return prefill, cached, decode, matched.get(decode, 0)
 
     def _best_prefill(
-        self, candidates: list[str], prompt_ids: Sequence[int], cache_salt: str
+        self,
+        candidates: list[str],
+        prompt_ids: Sequence[int],
+        cache_salt: str,
+        matched: dict[str, int] | None = None,
     ) -> tuple[str, int]:
+        """The cheapest of `candidates` and its cached prompt tokens; `matched`: the index's
+        answer when the caller has it (else it is asked here)."""
         if self.policy == "round_robin":
             return candidates[0], 0
-        matched = (
-            self._matched_tokens(candidates, prompt_ids, cache_salt) if self.policy == "kv" else {}
-        )
+        if matched is None:
+            matched = (
+                self._matched_tokens(candidates, prompt_ids, cache_salt)
+                if self.policy == "kv"
+                else {}
+            )
         with self._lock:
             address = min(
                 candidates,
@@ -157,13 +177,6 @@ class Routing:
             self._index_down = True
             return {}
         return {a: matched.get(a, 0) * block_size for a in candidates}
-
-    def cached_tokens(self, address: str, prompt_ids: Sequence[int], cache_salt: str = "") -> int:
-        """Prompt tokens the worker at `address` (prefill or decode) holds cached, by the index
-        (0 under another policy than kv, or with the index unreachable)."""
-        if self.policy != "kv":
-            return 0
-        return self._matched_tokens([address], prompt_ids, cache_salt).get(address, 0)
 
     def learn_routed(self, address: str, prompt_ids: Sequence[int], cache_salt: str = "") -> None:
         """Approximate mode: the worker at `address` (prefill, or decode: it keeps the prompts

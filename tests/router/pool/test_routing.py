@@ -76,9 +76,10 @@ def test_kv_routing_without_redis_learns_where_it_sent_each_prefix():
     # A decode worker keeps the prompts it streamed: the path choice asks what it holds, and
     # prefill routing never sends a prompt to it.
     decode = pool.decode[0]
-    assert routing.cached_tokens(decode, shared + [13]) == 0
+    assert routing.peek(shared + [13])[2:] == (decode, 0)
     routing.learn_routed(decode, shared + [13])
-    assert routing.cached_tokens(decode, shared + [14]) == 48
+    prefill, prefill_cached, _, decode_cached = routing.peek(shared + [14])
+    assert decode_cached == 48 and (prefill, prefill_cached) == route(shared + [14])
     assert route(shared + [15])[0] in pool.prefill
-    assert Routing(pool, "least_loaded").cached_tokens(decode, shared) == 0
+    assert Routing(pool, "least_loaded").peek(shared)[3] == 0
     pool.close()
