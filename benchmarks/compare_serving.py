@@ -217,7 +217,9 @@ def main() -> int:
 
         if args.quick:
             args.repeats, args.warmup, args.unloaded = 1, 4, 3
-            args.num_prompts = 12 if args.num_prompts == 128 else args.num_prompts
+            args.num_prompts = (
+                12 if args.num_prompts == parser.get_default("num_prompts") else args.num_prompts
+            )
             args.vllm_budgets = args.vllm_budgets[-1:]
         return suite.run(args)
     args.json = args.json or str(RESULTS / "compare_serving.json")

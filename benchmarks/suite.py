@@ -133,9 +133,8 @@ class Sitting:
 
 
 def knee_start(workload: Workload, slo: Slo, unloaded_ttft: dict[int, float], p0: float) -> float:
-    """A row's first rate: `predicted_knee` on pdserve's saved step costs at the most threads,
-    from the row's own unloaded TTFT; without saved costs, the same utilisation over its
-    unloaded TTFT plus each output token at P0 / 8."""
+    """A row's first rate: `predicted_knee` from the row's own unloaded TTFT, on pdserve's saved
+    step costs at the most threads (without saved costs, on P0 for the decode share)."""
     from services.cost_model import store
     from services.engine.loader import resolve_model
 
@@ -144,11 +143,8 @@ def knee_start(workload: Workload, slo: Slo, unloaded_ttft: dict[int, float], p0
         costs = store.load(key)
     except (OSError, ValueError):
         costs = []
-    if costs:
-        return predicted_knee(workload, max(costs, key=lambda c: c.threads), slo, unloaded_ttft)
-    total = sum(w for w, _, _ in workload.shapes())
-    seconds = sum(w / total * (unloaded_ttft[n] + out * p0 / 8) for w, n, out in workload.shapes())
-    return 0.5 / seconds
+    cost = max(costs, key=lambda c: c.threads) if costs else None
+    return predicted_knee(workload, cost, slo, unloaded_ttft, p0)
 
 
 def knee_rates(points: list[dict[str, Any]]) -> list[float]:

@@ -105,20 +105,26 @@ def knee_utilisation(objective_s: float, service_s: float) -> float:
 
 
 def predicted_knee(
-    workload: Workload, cost: StepCost, slo: Slo, unloaded_ttft: Mapping[int, float]
+    workload: Workload,
+    cost: StepCost | None,
+    slo: Slo,
+    unloaded_ttft: Mapping[int, float],
+    unloaded_tpot_s: float = 0.0,
 ) -> float:
     """Where a row's search starts (req/s): the utilisation its TTFT headroom allows
     (`knee_utilisation`, from its own unloaded TTFT by prompt length and the objective; the
     tightest of the workload's prompt lengths) over one request's engine seconds on the fitted
     `cost`: its prompt's prefill alone (or its unloaded TTFT, if longer: a prefill worker of
-    fewer threads) plus its output tokens at the per-row share of an 8-row decode step."""
+    fewer threads) plus its output tokens at the per-row share of an 8-row decode step. Without
+    a fitted cost: its unloaded TTFT, and that share taken as `unloaded_tpot_s` / 8."""
     seconds, rho = 0.0, 1.0
     total = sum(w for w, _, _ in workload.shapes())
     for weight, prompt, output in workload.shapes():
-        prefill = cost.predict(StepShape(chunks=((prompt, 0),)))
-        service = max(prefill, unloaded_ttft[prompt])
-        context = prompt + output // 2
-        per_row = cost.predict(StepShape(decode_contexts=(context,) * 8)) / 8
+        service, per_row = unloaded_ttft[prompt], unloaded_tpot_s / 8
+        if cost is not None:
+            service = max(cost.predict(StepShape(chunks=((prompt, 0),))), service)
+            context = prompt + output // 2
+            per_row = cost.predict(StepShape(decode_contexts=(context,) * 8)) / 8
         seconds += weight / total * (service + output * per_row)
         objective = slo.ttft_for(prompt)
         rho = min(rho, knee_utilisation(math.inf if objective is None else objective, service))

@@ -44,9 +44,9 @@ def _tokenizer(name: str) -> Any:
     return tokenizer
 
 
-async def _run(args: argparse.Namespace, slo: Slo, rates: list[float]) -> list[Point]:
-    tokenizer = _tokenizer(args.tokenizer or args.model)
-    lengths = Lengths(
+def _lengths(args: argparse.Namespace) -> Lengths:
+    """What the flags ask for. ValueError naming --mix."""
+    return Lengths(
         args.dataset_name,
         args.random_input_len,
         args.random_output_len,
@@ -54,6 +54,12 @@ async def _run(args: argparse.Namespace, slo: Slo, rates: list[float]) -> list[P
         args.random_prefix_len,
         Lengths.parse_mix(args.mix) if args.mix else (),
     )
+
+
+async def _run(
+    args: argparse.Namespace, slo: Slo, rates: list[float], lengths: Lengths
+) -> list[Point]:
+    tokenizer = _tokenizer(args.tokenizer or args.model)
 
     def prompts(count: int) -> list[BenchRequest]:  # fresh tags: nothing cached across points
         return make_requests(tokenizer.encode, tokenizer.decode, count, lengths, args.seed)
@@ -112,7 +118,7 @@ class _connection:
         await self._close()
 
 
-def _check_flags(args: argparse.Namespace) -> None:
+def _check_flags(args: argparse.Namespace, slo: Slo) -> None:
     """Raises ValueError naming the first flag out of range."""
     for flag, value, low in (
         ("--num-prompts", args.num_prompts, 1),
@@ -126,11 +132,7 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}: must be >= {low}, got {value}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
-    if (args.dataset_name == "mix") != bool(args.mix):
-        raise ValueError("--mix: give it with --dataset-name mix, and only then")
-    if args.mix:
-        Lengths.parse_mix(args.mix)
-    if args.slo_headers and not objective_headers(Slo.parse(args.goodput)):
+    if args.slo_headers and not objective_headers(slo):
         raise ValueError("--slo-headers: needs a tpot or itl objective in --goodput")
     if not 0 <= args.random_range_ratio < 1:
         raise ValueError(f"--random-range-ratio: must be in [0, 1), got {args.random_range_ratio}")
@@ -139,8 +141,8 @@ def _check_flags(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     """Runs the benchmark; prints the table, writes the JSON and plot asked for."""
     slo, rates = Slo.parse(args.goodput), _rates(args.request_rate)
-    _check_flags(args)
-    points = asyncio.run(_run(args, slo, rates))
+    _check_flags(args, slo)
+    points = asyncio.run(_run(args, slo, rates, _lengths(args)))
     found = goodput([p.stats for p in points])
     report.print_points([p.stats for p in points], found)
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}

@@ -61,6 +61,10 @@ class Lengths:
     prefix_len: int = 0
     mix: tuple[tuple[float, int, int], ...] = ()  # `mix`: (weight, input_len, output_len)
 
+    def __post_init__(self) -> None:
+        if (self.dataset == "mix") != bool(self.mix):
+            raise ValueError("--mix: give it with --dataset-name mix, and only then")
+
     @staticmethod
     def parse_mix(text: str) -> tuple[tuple[float, int, int], ...]:
         """ "0.85:256:64,0.15:2048:64" -> ((0.85, 256, 64), (0.15, 2048, 64)). ValueError naming
@@ -108,8 +112,6 @@ def make_requests(
     each call). Raises ValueError when a prompt cannot be cut to its length."""
     if lengths.dataset not in DATASETS:
         raise ValueError(f"--dataset-name: expected one of {DATASETS}, got {lengths.dataset!r}")
-    if (lengths.dataset == "mix") != bool(lengths.mix):
-        raise ValueError("--mix: give it with --dataset-name mix, and only then")
     rng = random.Random(seed)
     text_ids = encode(corpus())
     run = uuid.uuid4().hex[:8]

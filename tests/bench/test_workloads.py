@@ -53,6 +53,9 @@ def test_the_knee_is_predicted_from_the_step_costs_and_the_ttft_headroom():
     slow = predicted_knee(SUITE["W1"], cost, slo, {256: 0.48})
     assert slow == pytest.approx(0.032 / (0.032 + 2.3 * 0.48 / 2) / (0.48 + 0.08))
     assert knee_utilisation(0.4, 0.5) == 0.05 and knee_utilisation(100.0, 0.1) == 0.9
+    # without fitted costs: the unloaded TTFT, and an 8-row decode step at the unloaded TPOT
+    unfitted = predicted_knee(SUITE["W1"], None, slo, {256: 0.256}, unloaded_tpot_s=0.010)
+    assert unfitted == pytest.approx(rho / 0.336)
     slo2 = SUITE["W2"].objectives({256: 0.256, 2048: 2.048}, 0.03)
     mixed = 0.85 * 0.336 + 0.15 * (2.048 + 0.08)
     assert predicted_knee(SUITE["W2"], cost, slo2, {256: 0.256, 2048: 2.048}) == pytest.approx(
