@@ -1,6 +1,7 @@
 """Serving comparison: vLLM's CPU OpenAI server, `pdserve serve` with its defaults, and pdserve
-colocated (`--disaggregation never --num-prefill 0`), on the same cores, dtype (bfloat16) and
-model, driven by `pdserve bench serve`'s load generator over the OpenAI streaming API.
+colocated (`--disaggregation never --num-prefill 0`), on the same cores, dtype (`--dtype`; auto:
+bfloat16 where the CPU has native bf16, float32 where it would emulate it) and model, driven by
+`pdserve bench serve`'s load generator over the OpenAI streaming API.
 
     python benchmarks/compare_serving.py                 # ~1 hour; installs vLLM if missing
     python benchmarks/compare_serving.py --quick         # a few minutes: the protocol, small
@@ -48,7 +49,12 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.compare_report import repeat_goodput  # noqa: E402
 from benchmarks.interference import interference  # noqa: E402
-from benchmarks.serving_systems import System, start_systems, stop_systems  # noqa: E402
+from benchmarks.serving_systems import (  # noqa: E402
+    System,
+    bench_dtype,
+    start_systems,
+    stop_systems,
+)
 from services.bench.backends import Target, http_sender  # noqa: E402
 from services.bench.command import machine  # noqa: E402
 from services.bench.dataset import Lengths, make_requests  # noqa: E402
@@ -191,6 +197,12 @@ def main() -> int:
     parser.add_argument(
         "--vllm-venv", default=str(Path.home() / ".cache" / "pdserve" / "vllm-venv")
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="every system's dtype (auto: bfloat16 with native bf16 dot products, else float32)",
+    )
     parser.add_argument("--quick", action="store_true", help="small and short: checks the protocol")
     parser.add_argument("--json", default=None, help="default: results/compare_serving.json")
     suite = parser.add_argument_group("the workload suite (benchmarks/suite.py)")
@@ -212,6 +224,7 @@ def main() -> int:
         help="vLLM --max-num-batched-tokens tried in the pre-pass (one value: no pre-pass)",
     )
     args = parser.parse_args()
+    args.dtype = bench_dtype(args.dtype)
     if args.workload:
         from benchmarks import suite
 
@@ -228,7 +241,7 @@ def main() -> int:
         args.bisect = 1
         args.interference_s = 12.0
     rates = [float(r) for r in args.rates.split(",")]
-    systems = start_systems(args.systems.split(","), Path(args.vllm_venv))
+    systems = start_systems(args.systems.split(","), Path(args.vllm_venv), args.dtype)
     try:
         asyncio.run(_warm(systems, args))
         runs = [asyncio.run(_run_points(systems, {s.name: rates for s in systems}, args, 0))]

@@ -88,7 +88,7 @@ def _wait_http(url: str, process: subprocess.Popen, timeout: float) -> None:
 
 
 def start_vllm(
-    venv: Path, model_dir: Path, cpus: str, flags: list[str] | None = None
+    venv: Path, model_dir: Path, cpus: str, dtype: str, flags: list[str] | None = None
 ) -> tuple[str, subprocess.Popen]:
     python = ensure_vllm(venv)
     port = _free_port()
@@ -102,7 +102,7 @@ def start_vllm(
         [
             str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--served-model-name", MODEL,
-            "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
             "--enable-prompt-tokens-details", *(flags or []),
         ],
         env=env, stdout=subprocess.DEVNULL, stderr=open(VLLM_LOG, "w"),  # noqa: SIM115
@@ -112,9 +112,9 @@ def start_vllm(
     return url, process
 
 
-def start_pdserve(flags: list[str]) -> tuple[str, subprocess.Popen, dict]:
+def start_pdserve(flags: list[str], dtype: str = "bfloat16") -> tuple[str, subprocess.Popen, dict]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "serve", "--dtype", "bfloat16", "--port", "0",
+        [sys.executable, "-m", "services.cli.main", "serve", "--dtype", dtype, "--port", "0",
          "--http-port", "0", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
     )  # fmt: skip
@@ -126,7 +126,17 @@ def start_pdserve(flags: list[str]) -> tuple[str, subprocess.Popen, dict]:
     raise RuntimeError(f"pdserve serve {flags} exited with {process.wait()} before ready")
 
 
-def start_systems(names: list[str], vllm_venv: Path) -> list[System]:
+def bench_dtype(asked: str) -> str:
+    """The dtype every system of a comparison runs: `asked`, or for "auto" bfloat16 where the CPU
+    has native bf16 dot products and float32 where it would emulate them (AVX2 only)."""
+    from services.engine.config import cpu_native_bf16
+
+    if asked != "auto":
+        return asked
+    return "bfloat16" if cpu_native_bf16() else "float32"
+
+
+def start_systems(names: list[str], vllm_venv: Path, dtype: str) -> list[System]:
     from services.engine.loader import resolve_model
     from services.engine.tokenizer import Tokenizer
 
@@ -137,11 +147,12 @@ def start_systems(names: list[str], vllm_venv: Path) -> list[System]:
     try:
         for name in names:
             if name == "vllm":
-                url, process = start_vllm(vllm_venv, model_dir, _range(cpus))
+                url, process = start_vllm(vllm_venv, model_dir, _range(cpus), dtype)
                 launch = {"venv": vllm_venv, "model_dir": model_dir, "cpus": _range(cpus)}
+                launch["dtype"] = dtype
                 systems.append(System(name, url, process, tokenizer, info=launch))
             else:
-                url, process, info = start_pdserve(PDSERVE_MODES[name])
+                url, process, info = start_pdserve(PDSERVE_MODES[name], dtype)
                 systems.append(System(name, url, process, tokenizer, info=info))
     except BaseException:
         stop_systems(systems)
@@ -154,7 +165,9 @@ def restart_vllm(systems: list[System], flags: list[str]) -> None:
     system = next(s for s in systems if s.name == "vllm")
     stop_systems([system])
     info = system.info
-    system.url, system.process = start_vllm(info["venv"], info["model_dir"], info["cpus"], flags)
+    system.url, system.process = start_vllm(
+        info["venv"], info["model_dir"], info["cpus"], info["dtype"], flags
+    )
     system.info = {**info, "flags": flags}
 
 

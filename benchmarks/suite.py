@@ -13,7 +13,8 @@ The sitting, in order:
    predicted knee (vLLM restarted for each; the best attainment wins, then the lower TTFT p90).
 3. The rate search, per row (`workloads.next_rate`): from the knee predicted by pdserve's fitted
    step costs and the row's unloaded TTFT (`workloads.predicted_knee`), the rows alternating
-   point by point, each point `workloads.point_requests` long.
+   point by point, each point `workloads.point_requests` long, or stopped as soon as its misses
+   decide that it fails (`run_point(decide=True)`: the rest count as misses).
 4. `--repeats` paired repeats: every row again at both rates of its knee, the rows alternating.
 Results: benchmarks/results/suite_<workload>.json (and its plot); tables via
 `compare_report.py --suite`.
@@ -83,6 +84,7 @@ def summary(point: Point) -> dict[str, Any]:
         "tpot_p90_ms": ms(s.tpot and s.tpot.p90),
         "itl_p99_ms": ms(s.itl and s.itl.p99),
         "errors": s.errors,
+        "stopped_at_s": point.stopped_at,
         "cached": sum(1 for r in point.results if r.cached_tokens),
         "generator_cpu_s": point.generator_cpu_s,
         "load_average": os.getloadavg(),
@@ -103,14 +105,22 @@ class Sitting:
         tok = self.tokenizer
         return make_requests(tok.encode, tok.decode, count, lengths or self.workload.lengths, seed)
 
-    async def point(self, row: Row, rate: float, slo: Slo, count: int, seed: int) -> Point:
+    async def point(
+        self, row: Row, rate: float, slo: Slo, count: int, seed: int, decide: bool = True
+    ) -> Point:
+        """`row` at `rate`; with `decide`, stopped once it has missed too many to pass (then one
+        request alone waits out the server's aborts before the next point)."""
         system = self.systems[row.system]
         headers = objective_headers(slo) if row.objectives else {}
         target = Target(base_url=system.url, model=system.model, objective_headers=headers)
         send = http_sender(target, self.session)
-        return await run_point(
-            send, self.requests(count, seed), rate, slo, seed=seed, progress=False
+        point = await run_point(
+            send, self.requests(count, seed), rate, slo, seed=seed, progress=False, decide=decide
         )
+        if point.stopped_at is not None:  # its cancelled requests may still be draining
+            probe = self.requests(1, 1000 + seed)
+            await run_point(send, probe, float("inf"), Slo(), progress=False)
+        return point
 
     async def unloaded(self, system: str, count: int) -> tuple[dict[int, float], float]:
         """`system`'s unloaded TTFT (seconds by prompt length) and TPOT (seconds): medians of
@@ -132,13 +142,16 @@ class Sitting:
             await run_point(send, self.requests(count, 99), float("inf"), Slo(), progress=False)
 
 
-def knee_start(workload: Workload, slo: Slo, unloaded_ttft: dict[int, float], p0: float) -> float:
+def knee_start(
+    workload: Workload, slo: Slo, unloaded_ttft: dict[int, float], p0: float, dtype: str
+) -> float:
     """A row's first rate: `predicted_knee` from the row's own unloaded TTFT, on pdserve's saved
-    step costs at the most threads (without saved costs, on P0 for the decode share)."""
+    step costs (in `dtype`) at the most threads (without saved costs, on P0 for the decode
+    share)."""
     from services.cost_model import store
     from services.engine.loader import resolve_model
 
-    key = store.CostModelKey(store.machine_id(), "bfloat16", Path(resolve_model(MODEL)).name)
+    key = store.CostModelKey(store.machine_id(), dtype, Path(resolve_model(MODEL)).name)
     try:
         costs = store.load(key)
     except (OSError, ValueError):
@@ -164,6 +177,7 @@ def _line(row: Row, repeat: int, p: dict[str, Any]) -> str:
         f"  r{repeat} {row.name:>26} {p['request_rate']:.3f} req/s: attainment "
         f"{p['attainment'] or 0:.0%}, TTFT p50 {ms('ttft_p50_ms')}, TPOT p50 {ms('tpot_p50_ms')}, "
         f"errors {sum(p['errors'].values())}, cached {p['cached']}"
+        + ("" if p.get("stopped_at_s") is None else f", failed at {p['stopped_at_s']:.0f} s")
     )
 
 
@@ -218,7 +232,8 @@ async def _prepass(
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             sitting = Sitting(systems, workload, session)
             await sitting.warm(args.warmup)
-            point = summary(await sitting.point(ROWS[0], rate, slo, counted(rate), seed=50))
+            # run to the end: the budgets are ranked by attainment, failing ones too
+            point = summary(await sitting.point(ROWS[0], rate, slo, counted(rate), 50, False))
         point.pop("requests")
         tried[str(budget)] = point
         print(f"  pre-pass vLLM --max-num-batched-tokens {budget}: {_line(ROWS[0], 0, point)}")
@@ -241,7 +256,9 @@ def run(args: argparse.Namespace) -> int:
     asked = set(args.rows.split(",")) if args.rows else {row.name for row in ROWS}
     rows = [row for row in ROWS if row.name in asked | {"vllm"}]
     systems = start_systems(
-        sorted({r.system for r in rows}, key=lambda n: n != "vllm"), Path(args.vllm_venv)
+        sorted({r.system for r in rows}, key=lambda n: n != "vllm"),
+        Path(args.vllm_venv),
+        args.dtype,
     )
     data: dict[str, Any] = {"workload": dataclasses.asdict(workload), "config": vars(args)}
     data["machine"] = machine()
@@ -263,7 +280,10 @@ def run(args: argparse.Namespace) -> int:
             unloaded = {s.name: await sitting.unloaded(s.name, args.unloaded) for s in systems}
         t0, p0 = unloaded["vllm"]
         slo = workload.objectives(t0, p0)
-        starts = {row.name: knee_start(workload, slo, unloaded[row.system][0], p0) for row in rows}
+        starts = {
+            row.name: knee_start(workload, slo, unloaded[row.system][0], p0, args.dtype)
+            for row in rows
+        }
         data.update(t0_s=t0, p0_s=p0, objectives=dataclasses.asdict(slo), start_rates=starts)
         data["unloaded"] = {name: {"ttft_s": t, "tpot_s": p} for name, (t, p) in unloaded.items()}
         print(f"T0 {t0} s, P0 {p0 * 1e3:.1f} ms; objectives {slo}")

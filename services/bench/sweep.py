@@ -5,7 +5,9 @@ task, at most `max_concurrency` in flight when that is set, and waits for all of
 runs points at rising rates; goodput, as DistServe defines it, is the highest rate at which at
 least `GOODPUT_ATTAINMENT` of the requests meet every SLO. Past the sweep's knee (the last rate
 that passes and the first that fails) it bisects `bisect` more points, so the goodput is known
-to within the final gap (`Goodput.resolution`).
+to within the final gap (`Goodput.resolution`). A point run with `decide=True` stops as soon as
+its misses alone put it below that share (the rest are cancelled and count as misses, as
+unfinished requests do), since no later result can make it pass.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ class Point:
     stats: PointStats
     results: list[RequestResult]
     generator_cpu_s: float
+    stopped_at: float | None = None  # seconds into the point when it was decided (decide=True)
+
+
+def _decided(misses: int, total: int) -> bool:
+    """Whether `misses` of `total` requests already put the point below GOODPUT_ATTAINMENT."""
+    return (total - misses) / total < GOODPUT_ATTAINMENT
 
 
 async def run_point(
@@ -44,12 +52,18 @@ async def run_point(
     max_concurrency: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    decide: bool = False,
 ) -> Point:
-    """Send `requests` at `request_rate` (req/s; inf: all at once) and time them."""
+    """Send `requests` at `request_rate` (req/s; inf: all at once) and time them. With `decide`,
+    stop once the requests that missed `slo` make the point fail whatever the rest do: the
+    requests not yet finished are cancelled (their connections closed, so the server aborts
+    them) and recorded as unfinished ("not run: the point failed early")."""
     offsets = arrival_times(len(requests), request_rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), desc=f"{request_rate:g} req/s", disable=not progress)
     cpu0, start = time.process_time(), time.perf_counter()
+    misses = 0
+    failed = asyncio.Event()
 
     async def one(request: BenchRequest, offset: float) -> RequestResult:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
@@ -59,18 +73,44 @@ async def run_point(
             sent = time.perf_counter() - start
             result = await send(request)
             result.send_time = sent
+            if decide and not slo.met(result):
+                nonlocal misses
+                misses += 1
+                if _decided(misses, len(requests)):
+                    failed.set()
             return result
         finally:
             if limit is not None:
                 limit.release()
             bar.update()
 
+    tasks = [asyncio.ensure_future(one(r, t)) for r, t in zip(requests, offsets, strict=True)]
+    stopped_at = None
     try:
-        results = await asyncio.gather(*(one(r, t) for r, t in zip(requests, offsets, strict=True)))
+        decided = asyncio.ensure_future(failed.wait())
+        finished = asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.wait([decided, finished], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
+        decided.cancel()
+        if failed.is_set():
+            stopped_at = time.perf_counter() - start
+        for task in tasks:
+            task.cancel()
+        await finished
     finally:
         bar.close()
+    results = [
+        task.result()
+        if not task.cancelled()
+        else RequestResult(
+            error="not run: the point failed early",
+            prompt_len=request.prompt_len,
+            output_len=request.output_len,
+            send_time=min(offset, stopped_at or offset),
+        )
+        for task, request, offset in zip(tasks, requests, offsets, strict=True)
+    ]
     cpu = time.process_time() - cpu0
-    return Point(point_stats(results, request_rate, slo), list(results), cpu)
+    return Point(point_stats(results, request_rate, slo), results, cpu, stopped_at)
 
 
 @dataclass(frozen=True)

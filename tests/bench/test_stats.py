@@ -15,7 +15,7 @@ import pytest
 from services.bench.arrivals import arrival_times
 from services.bench.dataset import Lengths, make_requests
 from services.bench.stats import RequestResult, Slo, point_stats, summarize
-from services.bench.sweep import Point, goodput, sweep
+from services.bench.sweep import Point, goodput, run_point, sweep
 
 
 def _result(
@@ -111,6 +111,41 @@ def test_the_sweep_bisects_the_knee():
     found = goodput([p.stats for p in points])
     assert (found.rate, found.resolution) == (3.25, 0.25)
     assert [p.stats.request_rate for p in points] == sorted(asked)
+
+
+def test_a_decided_point_stops_at_the_miss_that_fails_it_and_cancels_the_rest():
+    """20 requests, 90% needed: the third miss decides the point (18/20 could still pass). Every
+    request after it is cancelled, in flight or unsent, and counts as unfinished; without
+    `decide` the same point runs to its end and passes no better."""
+    requests = make_requests(str.split, " ".join, 20, Lengths("random", 4, 2), seed=0)
+    slo = Slo(ttft=0.5)
+
+    def sender(cancelled: list[int]):
+        async def send(request):
+            index = requests.index(request)
+            try:
+                if index >= 8:  # still running when the point is decided
+                    await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append(index)
+                raise
+            return _result(0, 1.0 if index in (1, 4, 6) else 0.1, [0.01], out=2)
+
+        return send
+
+    cancelled: list[int] = []
+    point = asyncio.run(
+        run_point(sender(cancelled), requests, 1e6, slo, decide=True, progress=False)
+    )
+    assert point.stopped_at is not None and point.stopped_at < 30
+    assert sorted(cancelled) == list(range(8, 20))
+    assert point.stats.attainment == 5 / 20
+    assert point.stats.errors == {"not run: the point failed early": 12}
+    assert [(r.prompt_len, r.output_len) for r in point.results[8:]] == [(4, 2)] * 12
+
+    early = [r for i, r in enumerate(requests) if i < 8 and i not in (4, 6)]
+    kept = asyncio.run(run_point(sender([]), early, 1e6, slo, progress=False))
+    assert kept.stopped_at is None and kept.stats.attainment == 5 / 6
 
 
 def test_arrivals_are_seeded_poisson_with_the_asked_rate():
