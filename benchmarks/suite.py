@@ -41,7 +41,7 @@ from benchmarks.serving_systems import (
     stop_systems,
 )
 from benchmarks.workloads import SUITE, Workload, next_rate, point_requests, predicted_knee
-from services.bench.backends import Target, http_sender, objective_headers
+from services.bench.backends import Target, http_sender
 from services.bench.command import machine
 from services.bench.dataset import Lengths, make_requests
 from services.bench.report import plot
@@ -111,8 +111,8 @@ class Sitting:
         """`row` at `rate`; with `decide`, stopped once it has missed too many to pass (then one
         request alone waits out the server's aborts before the next point)."""
         system = self.systems[row.system]
-        headers = objective_headers(slo) if row.objectives else {}
-        target = Target(base_url=system.url, model=system.model, objective_headers=headers)
+        objectives = slo if row.objectives else None
+        target = Target(base_url=system.url, model=system.model, objectives=objectives)
         send = http_sender(target, self.session)
         point = await run_point(
             send, self.requests(count, seed), rate, slo, seed=seed, progress=False, decide=decide

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from services.bench.dataset import BenchRequest
@@ -36,16 +36,22 @@ class Target:
     api_key: str | None = None
     ignore_eos: bool = True
     timeout_s: float = 600.0
-    objective_headers: Mapping[str, str] = field(default_factory=dict)
-    """Sent with every HTTP request (`objective_headers`); gRPC sends the same objectives as
-    GenerateRequest fields."""
+    objectives: Slo | None = None
+    """Sent with every HTTP request as headers (`objective_headers`, the TTFT one for the
+    request's own prompt length); gRPC sends the same objectives as GenerateRequest fields."""
 
 
-def objective_headers(slo: Slo) -> dict[str, str]:
-    """The TPOT and ITL objectives of `slo` as llm-d's per-request headers (milliseconds):
-    {"x-slo-tpot-ms": ..., "x-slo-itl-ms": ...}, each only when `slo` has it. pdserve's
-    scheduler budgets each step by them; a server that does not know them ignores them."""
-    out = {}
+def objective_headers(slo: Slo | None, prompt_len: int) -> dict[str, str]:
+    """The objectives of `slo` for a request of `prompt_len` tokens as llm-d's per-request
+    headers (milliseconds): {"x-slo-ttft-ms": ..., "x-slo-tpot-ms": ..., "x-slo-itl-ms": ...},
+    each only when `slo` has it. pdserve's router chooses the serving path by the TTFT one and
+    its scheduler budgets each step by the others; a server that does not know them ignores
+    them."""
+    out: dict[str, str] = {}
+    if slo is None:
+        return out
+    if (ttft := slo.ttft_for(prompt_len)) is not None:
+        out["x-slo-ttft-ms"] = f"{ttft * 1e3:g}"
     if slo.tpot is not None:
         out["x-slo-tpot-ms"] = f"{slo.tpot * 1e3:g}"
     if slo.itl is not None:
@@ -76,9 +82,7 @@ class _Timeline:
 def http_sender(target: Target, session: Any) -> Send:
     """`send(request)` over `session` (an aiohttp.ClientSession) to `target.base_url`."""
     url = target.base_url.rstrip("/") + "/v1/completions"  # type: ignore[union-attr]
-    headers = dict(target.objective_headers)
-    if target.api_key:
-        headers["Authorization"] = f"Bearer {target.api_key}"
+    auth = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
 
     async def send(request: BenchRequest) -> RequestResult:
         body = {
@@ -92,6 +96,7 @@ def http_sender(target: Target, session: Any) -> Send:
         }
         result = RequestResult(prompt_len=request.prompt_len, output_len=request.output_len)
         timeline = _Timeline(result)
+        headers = {**auth, **objective_headers(target.objectives, request.prompt_len)}
         try:
             async with session.post(url, json=body, headers=headers) as response:
                 if response.status != 200:
@@ -142,7 +147,6 @@ def grpc_sender(target: Target, channel: Any) -> Send:
     from services.router.openai.protocol import OBJECTIVE_HEADERS
 
     stub = generate_pb2_grpc.GenerationStub(channel)
-    objectives = {OBJECTIVE_HEADERS[h]: float(v) for h, v in target.objective_headers.items()}
     metadata = (("authorization", f"Bearer {target.api_key}"),) if target.api_key else None
 
     async def send(request: BenchRequest) -> RequestResult:
@@ -152,8 +156,8 @@ def grpc_sender(target: Target, channel: Any) -> Send:
                 max_tokens=request.output_len, temperature=0.0, ignore_eos=target.ignore_eos
             ),
         )
-        for name, ms in objectives.items():
-            setattr(message, name, ms)
+        for header, ms in objective_headers(target.objectives, request.prompt_len).items():
+            setattr(message, OBJECTIVE_HEADERS[header], float(ms))
         result = RequestResult(prompt_len=request.prompt_len, output_len=request.output_len)
         timeline = _Timeline(result)
         try:

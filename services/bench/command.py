@@ -70,7 +70,7 @@ async def _run(
         args.model,
         args.api_key,
         args.ignore_eos,
-        objective_headers=objective_headers(slo) if args.slo_headers else {},
+        objectives=slo if args.slo_headers else None,
     )
     async with _connection(target) as send:
         if args.num_warmups:
@@ -132,8 +132,8 @@ def _check_flags(args: argparse.Namespace, slo: Slo) -> None:
             raise ValueError(f"{flag}: must be >= {low}, got {value}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
-    if args.slo_headers and not objective_headers(slo):
-        raise ValueError("--slo-headers: needs a tpot or itl objective in --goodput")
+    if args.slo_headers and not objective_headers(slo, args.random_input_len):
+        raise ValueError("--slo-headers: needs a ttft, tpot or itl objective in --goodput")
     if not 0 <= args.random_range_ratio < 1:
         raise ValueError(f"--random-range-ratio: must be in [0, 1), got {args.random_range_ratio}")
 

@@ -64,8 +64,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slo-headers",
         action="store_true",
-        help="send the --goodput TPOT and ITL objectives with every request as x-slo-tpot-ms and "
-        "x-slo-itl-ms headers (llm-d's names; pdserve schedules by them, others ignore them)",
+        help="send the --goodput TTFT, TPOT and ITL objectives with every request as "
+        "x-slo-ttft-ms, x-slo-tpot-ms and x-slo-itl-ms headers (llm-d's names; pdserve routes "
+        "and schedules by them, others ignore them)",
     )
     parser.add_argument("--bisect", type=int, default=0, help="sweep: points to bisect the knee")
     parser.add_argument(

@@ -93,6 +93,10 @@ class RouterConfig:
     under `pdserve serve`'s core lending, the path of lower predicted TTFT from the workers'
     fitted step costs and the load (512 tokens until the workers report costs); without lending
     0 (docs/serving.md "Serving paths" gives the benchmarks behind each)."""
+    slo_ttft_ms: float | None = None
+    """TTFT objective (milliseconds) of a request that sets none (x-slo-ttft-ms): under auto's
+    predicted rule, of the paths predicted to meet it a prompt takes the one that delays the
+    running streams least. None: the path of lower predicted TTFT."""
     api_key: str | None = field(default=None, repr=False)
     """Clients must send it (HTTP `Authorization: Bearer KEY`, gRPC metadata `authorization`);
     /health and /metrics stay open (default: $PDSERVE_API_KEY, else none)."""
@@ -155,6 +159,8 @@ class RouterConfig:
                 continue
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
             checks.check(ok, name, f"must be an integer >= {low}", value)
+        ok = self.slo_ttft_ms is None or checks.is_number(self.slo_ttft_ms) and self.slo_ttft_ms > 0
+        checks.check(ok, "slo_ttft_ms", "must be > 0 milliseconds or None", self.slo_ttft_ms)
         checks.check(
             self.api_key is None or isinstance(self.api_key, str) and bool(self.api_key),
             "api_key",

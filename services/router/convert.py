@@ -32,6 +32,7 @@ def request_from_proto(msg: generate_pb2.GenerateRequest, request_id: str) -> Ge
         request_id=request_id,
         itl_objective_ms=msg.itl_objective_ms or None,
         tpot_objective_ms=msg.tpot_objective_ms or None,
+        ttft_objective_ms=msg.ttft_objective_ms or None,
     )
 
 

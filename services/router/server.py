@@ -129,6 +129,7 @@ def build_flow(config: RouterConfig, dynamic: bool = False) -> GenerateFlow:
         config.disaggregation,
         config.max_local_prefill_tokens,
         config.migration,
+        config.slo_ttft_ms,
     )
 
 

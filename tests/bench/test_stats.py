@@ -209,7 +209,7 @@ def test_prompts_have_exact_token_counts_and_are_unique(default_model, lengths):
         (["--dataset-name", "mix"], "--mix"),
         (["--dataset-name", "mix", "--mix", "0.5:256"], "--mix"),
         (["--mix", "1:256:64"], "--mix"),
-        (["--slo-headers", "--goodput", "ttft:500"], "--slo-headers"),
+        (["--slo-headers"], "--slo-headers"),  # no objective to send
     ],
 )
 def test_bad_bench_flags_are_refused_by_name_before_any_request(capsys, flags, named):
@@ -223,9 +223,11 @@ def test_bad_bench_flags_are_refused_by_name_before_any_request(capsys, flags, n
 def test_objectives_travel_as_llm_d_headers():
     from services.bench.backends import objective_headers
 
-    headers = objective_headers(Slo.parse(["ttft:500", "tpot:37.5", "itl:120"]))
-    assert headers == {"x-slo-tpot-ms": "37.5", "x-slo-itl-ms": "120"}  # TTFT is not sent
-    assert objective_headers(Slo.parse(["ttft:500"])) == {}
+    headers = objective_headers(Slo.parse(["ttft:500", "tpot:37.5", "itl:120"]), 256)
+    assert headers == {"x-slo-ttft-ms": "500", "x-slo-tpot-ms": "37.5", "x-slo-itl-ms": "120"}
+    scaled = Slo(tpot=0.05, ttft_at=((256, 0.4), (2048, 2.0)))  # the suite's W2: by length
+    assert objective_headers(scaled, 2048) == {"x-slo-ttft-ms": "2000", "x-slo-tpot-ms": "50"}
+    assert objective_headers(Slo(), 256) == objective_headers(None, 256) == {}
 
 
 def test_the_itl_objective_forgives_one_stall():

@@ -99,6 +99,7 @@ def _non_default_cluster(model: str, redis_url: str) -> ClusterConfig:
         max_n=4,
         disaggregation="always",
         max_local_prefill_tokens=32,
+        slo_ttft_ms=750.0,
         api_key=KEY,
         registration_ttl=7.0,
         max_concurrent_rpcs=500,

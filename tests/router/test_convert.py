@@ -45,6 +45,7 @@ def test_every_request_field_is_carried():
         cache_salt="tenant-a",
         itl_objective_ms=80.0,
         tpot_objective_ms=45.0,
+        ttft_objective_ms=900.0,
     )
     request = request_from_proto(msg, "settled-id")
     assert request == GenerationRequest(
@@ -65,6 +66,7 @@ def test_every_request_field_is_carried():
         request_id="settled-id",
         itl_objective_ms=80.0,
         tpot_objective_ms=45.0,
+        ttft_objective_ms=900.0,
     )
 
 

@@ -28,7 +28,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "cache_salt", "itl_objective_ms", "tpot_objective_ms")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "cache_salt", "itl_objective_ms", "tpot_objective_ms", "ttft_objective_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ITL_OBJECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_OBJECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_OBJECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -45,7 +46,8 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     itl_objective_ms: float
     tpot_objective_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., itl_objective_ms: _Optional[float] = ..., tpot_objective_ms: _Optional[float] = ...) -> None: ...
+    ttft_objective_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., itl_objective_ms: _Optional[float] = ..., tpot_objective_ms: _Optional[float] = ..., ttft_objective_ms: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

@@ -5,7 +5,7 @@ import warnings
 
 from services.common.pb import generate_pb2 as pdserve_dot_v1_dot_generate__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

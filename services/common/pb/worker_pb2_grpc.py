@@ -6,7 +6,7 @@ import warnings
 from services.common.pb import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from services.common.pb import worker_pb2 as pdserve_dot_v1_dot_worker__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

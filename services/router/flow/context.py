@@ -29,10 +29,16 @@ class FlowContext:
     paths: ServingPaths
     calibration: PathCalibration = field(default_factory=PathCalibration)
 
-    def choose_path(self, prompt_ids: Sequence[int], cache_salt: str = "") -> PathChoice:
+    def choose_path(
+        self,
+        prompt_ids: Sequence[int],
+        cache_salt: str = "",
+        ttft_objective_ms: float | None = None,
+    ) -> PathChoice:
         """The serving path of a prompt (`serving_path.py`), from the workers routing would
-        pick now and what this router has in flight on them. A local choice names its decode
-        worker (`PathChoice.decode`), which the request then takes."""
+        pick now and what this router has in flight on them, for the request's TTFT objective
+        (milliseconds; None: the router's). A local choice names its decode worker
+        (`PathChoice.decode`), which the request then takes."""
         if self.paths.disaggregation != "auto":
             return self.paths.choose(PathLoad(len(prompt_ids)), None, None)
         try:
@@ -50,14 +56,15 @@ class FlowContext:
             decode_cached=decode_cached,
         )
         views = self.pool.view(prefill), self.pool.view(decode)
-        choice = self.paths.choose(load, *views, self.calibration)
+        ttft_s = None if ttft_objective_ms is None else ttft_objective_ms / 1000
+        choice = self.paths.choose(load, *views, self.calibration, ttft_s)
         return choice.on(decode) if choice.path == "local" else choice
 
     def first_token(self, choice: PathChoice, seconds: float) -> None:
         """A request reached its first token `seconds` after `choice` was made: a predicted
         choice's path calibrates the next predictions (`PathCalibration`)."""
         predicted = choice.local_s if choice.path == "local" else choice.remote_s
-        if choice.reason == "predicted" and predicted is not None:
+        if choice.reason in ("predicted", "objective") and predicted is not None:
             self.calibration.observe(choice.path, predicted / choice.scale, seconds)
             ratio = self.calibration.scale(choice.path)
             metrics.PATH_CALIBRATION.labels("router", choice.path).set(ratio)

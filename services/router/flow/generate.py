@@ -61,6 +61,7 @@ class GenerateFlow:
         disaggregation: str = RouterConfig.disaggregation,
         max_local_prefill_tokens: int | None = None,
         migration: MigrationConfig | None = None,
+        slo_ttft_ms: float | None = None,
     ) -> None:
         if not request_timeout > 0:
             raise ValueError(f"request_timeout: must be > 0 seconds, got {request_timeout!r}")
@@ -81,7 +82,11 @@ class GenerateFlow:
             routing,
             self.watchdog,
             migration,
-            ServingPaths(disaggregation, max_local_prefill_tokens),
+            ServingPaths(
+                disaggregation,
+                max_local_prefill_tokens,
+                None if slo_ttft_ms is None else slo_ttft_ms / 1000,
+            ),
         )
         """The model, pool, routing and policies each request's run uses (held once, here)."""
 
@@ -203,7 +208,7 @@ def _log_finished(output: GenerationOutput) -> None:
     timings, usage = output.timings, output.usage
     assert timings is not None and usage is not None  # the last output carries both
     path = f"{timings.path} ({timings.path_reason}"
-    if timings.path_reason == "predicted":
+    if timings.path_reason in ("predicted", "objective"):
         path += f": TTFT local {timings.predicted_ttft_local:.3f}s"
         path += f", remote {timings.predicted_ttft_remote:.3f}s"
     logger.info(

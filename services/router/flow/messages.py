@@ -56,6 +56,9 @@ class GenerationRequest:
     """This stream's ITL objective (milliseconds; None: the decode worker's default)."""
     tpot_objective_ms: float | None = None
     """This stream's mean-TPOT objective (milliseconds; None: the decode worker's default)."""
+    ttft_objective_ms: float | None = None
+    """This request's TTFT objective (milliseconds; None: the router's --slo-ttft-ms): which
+    serving path its prompt takes (`serving_path.py`)."""
 
     def __post_init__(self) -> None:
         if sum(getattr(self, kind) is not None for kind in PROMPT_KINDS) != 1:
@@ -66,7 +69,7 @@ class GenerationRequest:
             object.__setattr__(self, "chat", tuple(self.chat))
         object.__setattr__(self, "stop", check_stop_strings(self.stop))
         check_cache_salt(self.cache_salt)
-        for name in ("itl_objective_ms", "tpot_objective_ms"):
+        for name in ("itl_objective_ms", "tpot_objective_ms", "ttft_objective_ms"):
             ms = getattr(self, name)
             number = isinstance(ms, (int, float)) and not isinstance(ms, bool)
             if ms is not None and not (number and 0 < ms < math.inf):
@@ -105,9 +108,11 @@ class Timings:
     """Times the stream moved to another worker."""
     migration: float
     path_reason: str = "mode"
-    """Why `path` (`serving_path.MODES`): --disaggregation, the length rule, or predicted."""
+    """Why `path` (`serving_path.MODES`): --disaggregation, the length rule, the lower predicted
+    TTFT, or the least delay to running streams within the TTFT objective."""
     predicted_ttft_local: float = 0.0
-    """With path_reason "predicted": each path's predicted TTFT (seconds), else 0."""
+    """With path_reason "predicted" or "objective": each path's predicted TTFT (seconds), else
+    0."""
     predicted_ttft_remote: float = 0.0
 
 

@@ -86,6 +86,9 @@ class PreparedRequest:
     """Sent to the decode worker: this stream's ITL objective (0: the worker's default)."""
     tpot_objective_ms: float = 0.0
     """Sent to the decode worker: this stream's mean-TPOT objective (0: the worker's default)."""
+    ttft_objective_ms: float | None = None
+    """Kept by the router: the TTFT objective its serving path is chosen for (None: the
+    router's default)."""
 
 
 def prepare_request(request: GenerationRequest, model: ModelInfo) -> PreparedRequest:
@@ -130,6 +133,7 @@ def prepare_request(request: GenerationRequest, model: ModelInfo) -> PreparedReq
     return PreparedRequest(
         request_id, prompt_ids, params, request.stop, request.cache_salt or "",
         request.itl_objective_ms or 0.0, request.tpot_objective_ms or 0.0,
+        request.ttft_objective_ms,
     )  # fmt: skip
 
 

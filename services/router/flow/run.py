@@ -79,7 +79,9 @@ class RequestRun:
     def outputs(self) -> Iterator[GenerationOutput]:
         self.stats.on_started()
         prepared = self._prepare()
-        self.choice = self.context.choose_path(prepared.prompt_token_ids, prepared.cache_salt)
+        self.choice = self.context.choose_path(
+            prepared.prompt_token_ids, prepared.cache_salt, prepared.ttft_objective_ms
+        )
         self.chosen_at = time.monotonic()
         self.stats.on_path(self.choice)
         text = TextStream(self.context.model.tokenizer, prepared.prompt_token_ids, prepared.stop)
@@ -105,7 +107,9 @@ class RequestRun:
             self.engine_request_id = f"{prepared.request_id}-m{self.stats.migrations}"
         if resumed:  # the prompt and the tokens streamed so far, where they now fit best
             context = [*prepared.prompt_token_ids, *resumed]
-            self.choice = self.context.choose_path(context, prepared.cache_salt)
+            self.choice = self.context.choose_path(
+                context, prepared.cache_salt, prepared.ttft_objective_ms
+            )
         if self.choice.path == "local":  # the decode worker prefills it: no KV to ship
             yield from self._decode(prepared, None, text, resumed)
             return

@@ -77,15 +77,19 @@ class OpenAIRequest:
         return out
 
 
-OBJECTIVE_HEADERS = {"x-slo-itl-ms": "itl_objective_ms", "x-slo-tpot-ms": "tpot_objective_ms"}
-"""Per-request objectives (milliseconds), as llm-d's x-slo-ttft-ms / x-slo-tpot-ms headers,
-and the `GenerationRequest` field each sets."""
+OBJECTIVE_HEADERS = {
+    "x-slo-ttft-ms": "ttft_objective_ms",
+    "x-slo-itl-ms": "itl_objective_ms",
+    "x-slo-tpot-ms": "tpot_objective_ms",
+}
+"""Per-request objectives (milliseconds), as llm-d's x-slo-ttft-ms / x-slo-tpot-ms headers
+(and x-slo-itl-ms), and the `GenerationRequest` field each sets."""
 
 
 def with_objectives(parsed: OpenAIRequest, headers: Mapping[str, str]) -> OpenAIRequest:
-    """`parsed` with the per-request objectives its headers set (`OBJECTIVE_HEADERS`: the ITL
-    and mean-TPOT objectives in milliseconds, for every choice). InvalidRequestError naming the
-    header."""
+    """`parsed` with the per-request objectives its headers set (`OBJECTIVE_HEADERS`: the TTFT,
+    ITL and mean-TPOT objectives in milliseconds, for every choice). InvalidRequestError naming
+    the header."""
     values: dict[str, Any] = {}
     for header, name in OBJECTIVE_HEADERS.items():
         text = headers.get(header)

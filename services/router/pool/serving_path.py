@@ -19,12 +19,19 @@ these it predicts (seconds):
 Each prediction is scaled by the ratio of observed to predicted first-token times of that path's
 recent requests (`PathCalibration`, returning to 1 within seconds without new ones): what the
 fitted costs miss, such as a core shared with the router, the hand-over of borrowed threads or
-the serving path's own milliseconds, is measured, not modelled. The prompt goes where its
-predicted TTFT is lower (local on a tie: it ships no KV). This is conditional disaggregation
-by load and cache (Dynamo's disaggregated router and Splitwise's mixed pool decide by prefill
-length and queue; llm-d by uncached tokens), with the decision predicted from measured step
-costs rather than a fixed threshold. Without fitted costs the rule is the
-prompt length: at most `max_local_prefill_tokens` tokens local (None: `LENDING_LOCAL_PREFILL_TOKENS`
+the serving path's own milliseconds, is measured, not modelled. Without a TTFT objective the
+prompt goes where its predicted TTFT is lower (local on a tie: it ships no KV). With one (the
+request's `x-slo-ttft-ms`, else the router's `--slo-ttft-ms`), of the paths predicted to meet it
+the prompt takes the one that delays the decode worker's running streams least (stream-seconds,
+`stream_delay`): local, its chunks lengthen those streams' steps; remote, when the decode
+worker is borrowing the idle prefill worker's CPUs, the prefill worker takes them back for the
+prompt and the streams' steps run on the decode worker's own. TaiChi (2025) and DistServe place
+work by the objectives in this way: the prompt's TTFT objective bounds its choice, the running
+streams' TPOT decides it. Neither path meeting it, the lower TTFT wins. This is conditional
+disaggregation by load and cache (Dynamo's disaggregated router and Splitwise's mixed pool
+decide by prefill length and queue; llm-d by uncached tokens), with the decision predicted from
+measured step costs rather than a fixed threshold. Without fitted costs the rule is the prompt
+length: at most `max_local_prefill_tokens` tokens local (None: `LENDING_LOCAL_PREFILL_TOKENS`
 when the decode worker lends CPUs, else 0).
 
 Both predictions count only the tokens past the prompt's cached prefix on that worker, from the
@@ -52,7 +59,9 @@ from services.engine.step_budget import BORROWED_STEP_TOKENS, StepBudget
 LENDING_LOCAL_PREFILL_TOKENS = 512
 """Without fitted costs, the longest prompt (tokens) prefilled on a decode worker that borrows
 the idle prefill CPUs (W1-shaped load, docs/benchmarks.md "Core lending and the local path")."""
-MODES = ("mode", "length", "predicted")  # why a path was chosen: the metric's `reason` label
+MODES = ("mode", "length", "predicted", "objective")
+"""Why a path was chosen (the metric's `reason` label): --disaggregation, the length rule, the
+lower predicted TTFT, or the least delay to running streams within the TTFT objective."""
 PATHS = ("local", "remote")
 CALIBRATION_WEIGHT = 0.2
 """Weight of the newest observation in `PathCalibration`'s exponentially weighted ratio."""
@@ -139,7 +148,8 @@ class PathLoad:
 class PathChoice:
     """A prompt's path ("local" | "remote"), why (one of MODES) and, when predicted, each
     path's predicted TTFT (seconds, calibrated), the calibration factor of the chosen path's
-    prediction and the decode worker it was predicted on."""
+    prediction and the decode worker it was predicted on; under a TTFT objective, each path's
+    predicted delay to the running streams (stream-seconds)."""
 
     path: str
     reason: str
@@ -147,6 +157,8 @@ class PathChoice:
     remote_s: float | None = None
     scale: float = 1.0
     decode: str | None = None
+    local_delay_s: float | None = None
+    remote_delay_s: float | None = None
 
     def on(self, decode: str) -> PathChoice:
         return dataclasses.replace(self, decode=decode)
@@ -199,8 +211,9 @@ def predict_remote(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> f
         return None
     cap = BORROWED_STEP_TOKENS if borrows else prefill.max_num_batched_tokens
     uncached = max(load.prompt_tokens - load.prefill_cached, 1)
-    queue = _chunked(cost, load.prefill_queued, 0, cap, ())
-    return queue + _chunked(cost, uncached, load.prefill_cached, cap, ())
+    queue, _ = _chunked(cost, load.prefill_queued, 0, cap, ())
+    own, _ = _chunked(cost, uncached, load.prefill_cached, cap, ())
+    return queue + own
 
 
 def predict_local(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float | None:
@@ -212,12 +225,56 @@ def predict_local(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> fl
     if cost is None:
         return None
     cap = min(decode.max_num_batched_tokens, BORROWED_STEP_TOKENS if borrows else math.inf)
-    rows = load.decode_rows
-    contexts = (max(load.decode_context // rows, 1),) * rows if rows else ()
-    queue = _chunked(cost, load.local_queued, 0, int(cap), contexts, decode.slo_itl_s)
+    contexts = _contexts(load)
+    queue, _ = _chunked(cost, load.local_queued, 0, int(cap), contexts, decode.slo_itl_s)
     cached = min(load.decode_cached, load.prompt_tokens - 1)  # the last token is always run
-    uncached = load.prompt_tokens - cached
-    return queue + _chunked(cost, uncached, cached, int(cap), contexts, decode.slo_itl_s)
+    own, _ = _chunked(
+        cost, load.prompt_tokens - cached, cached, int(cap), contexts, decode.slo_itl_s
+    )
+    return queue + own
+
+
+def stream_delay(path: str, prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float:
+    """Predicted delay (seconds summed over the decode worker's running streams) that
+    prefilling the prompt on `path` adds to those streams; 0.0 without streams or fitted costs.
+
+    local: each step carrying one of the prompt's chunks (`predict_local`'s chunking) takes
+    longer than the decode-only step it replaces, for every stream. remote: only while the
+    decode worker borrows the idle prefill worker's threads (both lend, nothing queued there)
+    does the prompt cost the streams anything: for its remote prefill the prefill worker takes
+    its threads back, and each decode step runs on the decode worker's own threads instead."""
+    rows = load.decode_rows
+    if not rows:
+        return 0.0
+    contexts = _contexts(load)
+    borrows = decode.lends and prefill.lends and load.prefill_queued == 0
+    threads = decode.threads + (prefill.threads if borrows else 0)
+    cost = decode.cost(threads)
+    if cost is None:
+        return 0.0
+    decode_step = cost.predict(StepShape(decode_contexts=contexts))
+    if path == "local":
+        cap = min(decode.max_num_batched_tokens, BORROWED_STEP_TOKENS if borrows else math.inf)
+        cached = min(load.decode_cached, load.prompt_tokens - 1)
+        tokens = load.prompt_tokens - cached
+        seconds, steps = _chunked(cost, tokens, cached, int(cap), contexts, decode.slo_itl_s)
+        return rows * max(seconds - steps * decode_step, 0.0)
+    own = decode.cost(decode.threads)
+    prefill_cost = prefill.cost(prefill.threads) or own
+    if not borrows or own is None or prefill_cost is None:
+        return 0.0
+    uncached = max(load.prompt_tokens - load.prefill_cached, 1)
+    remote, _ = _chunked(
+        prefill_cost, uncached, load.prefill_cached, prefill.max_num_batched_tokens, ()
+    )
+    slower = own.predict(StepShape(decode_contexts=contexts))
+    return rows * remote * max(1.0 - decode_step / slower, 0.0)
+
+
+def _contexts(load: PathLoad) -> tuple[int, ...]:
+    """The decode worker's running rows, each given the mean context (tokens)."""
+    rows = load.decode_rows
+    return (max(load.decode_context // rows, 1),) * rows if rows else ()
 
 
 def _chunked(
@@ -227,32 +284,35 @@ def _chunked(
     cap: int,
     contexts: tuple[int, ...],
     itl_s: float = math.inf,
-) -> float:
-    """Predicted seconds to prefill `tokens` after `cached` in chunks of at most `cap`, each
-    step also carrying decode rows of `contexts` (then a chunk keeps `itl_s`, as the engine's
-    step budget sizes it; the first chunk's size serves for all)."""
+) -> tuple[float, int]:
+    """Predicted seconds and steps to prefill `tokens` after `cached` in chunks of at most
+    `cap`, each step also carrying decode rows of `contexts` (then a chunk keeps `itl_s`, as the
+    engine's step budget sizes it; the first chunk's size serves for all)."""
     if tokens <= 0:
-        return 0.0
+        return 0.0, 0
     chunk = max(cap, 1)
     if contexts:
         chunk = StepBudget(cost).prefill_tokens(contexts, cached, itl_s, chunk)
-    total, done = 0.0, 0
+    total, done, steps = 0.0, 0, 0
     while done < tokens:
         n = min(chunk, tokens - done)
         total += cost.predict(StepShape(chunks=((n, cached + done),), decode_contexts=contexts))
         done += n
-    return total
+        steps += 1
+    return total, steps
 
 
 @dataclass(frozen=True)
 class ServingPaths:
-    """The serving-path rule of a router: `disaggregation` ("auto" | "always" | "never") and
+    """The serving-path rule of a router: `disaggregation` ("auto" | "always" | "never"),
     `max_local_prefill_tokens` (`--max-local-prefill-tokens`; None: predicted by cost where the
     workers report fitted costs and lend CPUs, else the length rule's default, see the module
-    docstring)."""
+    docstring) and `slo_ttft_s`, the TTFT objective of a request that sets none (seconds;
+    `--slo-ttft-ms`; None: the lower predicted TTFT decides)."""
 
     disaggregation: str = "auto"
     max_local_prefill_tokens: int | None = None
+    slo_ttft_s: float | None = None
 
     def describe(self, lends: bool) -> str:
         """The rule in words, for `pdserve serve`'s log (`lends`: the workers lend CPUs)."""
@@ -276,9 +336,11 @@ class ServingPaths:
         prefill: WorkerView | None,
         decode: WorkerView | None,
         calibration: PathCalibration | None = None,
+        ttft_s: float | None = None,
     ) -> PathChoice:
         """The path of one prompt. `prefill` / `decode`: the workers it would go to (None: not
-        known yet, or no such worker); `calibration` scales the predictions (None: as fitted)."""
+        known yet, or no such worker); `calibration` scales the predictions (None: as fitted);
+        `ttft_s`: the request's TTFT objective (seconds; None: `slo_ttft_s`)."""
         if self.disaggregation == "never":
             return PathChoice("local", "mode")
         if self.disaggregation == "always":
@@ -291,8 +353,28 @@ class ServingPaths:
             if local is not None and remote is not None:
                 scales = {p: calibration.scale(p) if calibration else 1.0 for p in PATHS}
                 local, remote = local * scales["local"], remote * scales["remote"]
+                objective = ttft_s if ttft_s is not None else self.slo_ttft_s
+                if objective is not None and min(local, remote) <= objective:
+                    return _within_objective(
+                        load, prefill, decode, local, remote, objective, scales
+                    )
                 path = "local" if local <= remote else "remote"
                 return PathChoice(path, "predicted", local, remote, scale=scales[path])
         if limit is None:
             limit = LENDING_LOCAL_PREFILL_TOKENS if lends else 0
         return PathChoice("local" if load.prompt_tokens <= limit else "remote", "length")
+
+
+def _within_objective(
+    load: PathLoad, prefill: WorkerView, decode: WorkerView, local: float, remote: float,
+    objective: float, scales: Mapping[str, float],
+) -> PathChoice:  # fmt: skip
+    """Of the paths whose predicted TTFT (`local`, `remote`: calibrated seconds) meets
+    `objective`, the one delaying the running streams least (local on a tie)."""
+    delays = {p: stream_delay(p, prefill, decode, load) for p in PATHS}
+    meets = [p for p, t in (("local", local), ("remote", remote)) if t <= objective]
+    path = min(meets, key=lambda p: (delays[p], p != "local"))
+    return PathChoice(
+        path, "objective", local, remote, scale=scales[path],
+        local_delay_s=delays["local"], remote_delay_s=delays["remote"],
+    )  # fmt: skip

@@ -216,7 +216,7 @@ def test_the_objective_headers_reach_the_decode_worker(cluster, tokenizer):
     assert _post(url, body)[0] == 200
     sent = cluster[2].requests[-1]
     assert (sent.itl_objective_ms, sent.tpot_objective_ms) == (0.0, 0.0)
-    for header in ("x-slo-itl-ms", "x-slo-tpot-ms"):
+    for header in ("x-slo-ttft-ms", "x-slo-itl-ms", "x-slo-tpot-ms"):
         for bad in ("0", "-3", "fast", "inf"):
             status, data = _post(url, body, {header: bad})
             error = json.loads(data)["error"]

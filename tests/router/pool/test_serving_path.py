@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.cost_model import store
-from services.cost_model.step_cost import FEATURES, StepCost
+from services.cost_model.step_cost import FEATURES, StepCost, StepShape
 from services.router.flow.context import FlowContext
 from services.router.pool.routing import Routing
 from services.router.pool.serving_path import (
@@ -25,6 +25,7 @@ from services.router.pool.serving_path import (
     WorkerView,
     predict_local,
     predict_remote,
+    stream_delay,
 )
 from services.router.pool.worker_pool import WorkerPool
 
@@ -151,6 +152,64 @@ def test_predictions_never_fall_as_work_is_added(tokens, more, rows, queued):
     assert predict_remote(LENDER, LENDER, more_queued) >= predict_remote(LENDER, LENDER, load)
 
 
+def bandwidth_bound(threads: int) -> StepCost:
+    """`cost` with a fixed part that scales with threads (10 ms on one, 5 ms on two), as a
+    decode step bound by reading the weights does: a decode worker that loses the CPU it
+    borrowed decodes slower."""
+    return StepCost(threads, (0.01 / threads, 0.001 / threads, 1e-7, 3e-6, 0.002, 0.004))
+
+
+def test_within_a_ttft_objective_the_path_that_delays_the_streams_least_wins():
+    """Four streams on a decode worker that borrows the idle prefill CPU; a 256-token prompt.
+    Local, one 256-token chunk (on two CPUs) lengthens each stream's step; remote, the streams
+    decode on one CPU instead of two while the prefill worker computes the prompt on its own:
+    each loses that time x (1 - two CPUs' step / one CPU's), less than local's chunk. So under
+    an objective both paths meet, remote wins (though local's TTFT is lower); under one only
+    local meets, local; under none, the lower TTFT, as without an objective."""
+    view = WorkerView({t: bandwidth_bound(t) for t in (1, 2)}, threads=1, lends=True)
+    load = PathLoad(256, decode_rows=4, decode_context=4 * 200)
+    local, remote = predict_local(view, view, load), predict_remote(view, view, load)
+    assert local < remote
+    delays = {p: stream_delay(p, view, view, load) for p in ("local", "remote")}
+    rows = (200,) * 4
+    step = {t: bandwidth_bound(t).predict(StepShape(decode_contexts=rows)) for t in (1, 2)}
+    chunk = bandwidth_bound(2).predict(StepShape(chunks=((256, 0),), decode_contexts=rows))
+    assert delays["local"] == pytest.approx(4 * (chunk - step[2]))
+    assert delays["remote"] == pytest.approx(4 * remote * (1 - step[2] / step[1]))
+    assert 0 < delays["remote"] < delays["local"]
+    loose = AUTO.choose(load, view, view, ttft_s=1.0)
+    assert (loose.path, loose.reason) == ("remote", "objective")
+    assert (loose.local_delay_s, loose.remote_delay_s) == (delays["local"], delays["remote"])
+    tight = AUTO.choose(load, view, view, ttft_s=(local + remote) / 2)
+    assert (tight.path, tight.reason) == ("local", "objective")
+    missed = AUTO.choose(load, view, view, ttft_s=local / 2)
+    assert (missed.path, missed.reason) == ("local", "predicted")
+    assert (AUTO.choose(load, view, view).path, AUTO.choose(load, view, view).reason) == (
+        "local",
+        "predicted",
+    )
+    by_default = ServingPaths(slo_ttft_s=1.0)
+    assert by_default.choose(load, view, view).path == "remote"  # the router's --slo-ttft-ms
+    assert by_default.choose(load, view, view, ttft_s=(local + remote) / 2).path == "local"
+
+
+def test_remote_costs_the_streams_nothing_unless_the_decode_worker_was_borrowing():
+    """With the prefill worker busy (its queue non-empty) the decode worker already runs on its
+    own CPU: a remote prompt takes nothing from the streams, and without streams neither path
+    delays anyone (local wins the tie: it ships no KV)."""
+    view = WorkerView({t: bandwidth_bound(t) for t in (1, 2)}, threads=1, lends=True)
+    busy = PathLoad(256, decode_rows=4, decode_context=800, prefill_queued=64)
+    assert stream_delay("remote", view, view, busy) == 0.0
+    assert stream_delay("local", view, view, busy) > 0.0
+    assert AUTO.choose(busy, view, view, ttft_s=10.0).path == "remote"
+    idle = PathLoad(256)
+    assert stream_delay("local", view, view, idle) == stream_delay("remote", view, view, idle) == 0
+    choice = AUTO.choose(idle, view, view, ttft_s=10.0)
+    assert (choice.path, choice.reason) == ("local", "objective")
+    fixed = WorkerView({t: bandwidth_bound(t) for t in (1, 2)}, threads=1)  # no lending
+    assert stream_delay("remote", fixed, fixed, busy) == 0.0
+
+
 def test_a_worker_view_reads_getinfo_and_keeps_defaults_for_what_is_missing():
     config = {
         "threads": 2,
@@ -196,4 +255,6 @@ def test_the_router_predicts_from_what_it_has_in_flight_and_places_local_prompts
     routing.decode_done(taken, 256)
     assert (routing.in_flight[taken], routing.decode_context[taken]) == (0, 0)
     assert ServingPaths("always").choose(PathLoad(1), None, None).path == "remote"
+    objective = context.choose_path(list(range(1024)), ttft_objective_ms=1e6)
+    assert objective.reason == "objective"  # the request's TTFT objective (ms) reaches the rule
     pool.close()
