@@ -11,8 +11,10 @@ from services.common.errors import ServiceUnavailableError
 from services.config.migration import MigrationConfig
 from services.router.flow.prompt import ModelInfo
 from services.router.flow.watchdog import StallWatchdog
+from services.router.pool.path_calibration import PathCalibration
+from services.router.pool.path_prediction import PathLoad
 from services.router.pool.routing import Routing
-from services.router.pool.serving_path import PathCalibration, PathChoice, PathLoad, ServingPaths
+from services.router.pool.serving_path import PathChoice, ServingPaths
 from services.router.pool.worker_pool import WorkerPool
 
 

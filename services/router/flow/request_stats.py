@@ -24,7 +24,8 @@ import grpc
 
 from services.common import metrics
 from services.router.flow.messages import Timings, Usage
-from services.router.pool.serving_path import MODES, PATHS, PathChoice
+from services.router.pool.path_calibration import PATHS
+from services.router.pool.serving_path import MODES, PathChoice
 
 ROLE = "router"
 LEGS = (

@@ -24,7 +24,7 @@ from services.common import metrics
 from services.common.channels import ChannelCache, check_address, health_serving
 from services.common.errors import ServiceUnavailableError
 from services.common.pb import common_pb2, worker_pb2_grpc
-from services.router.pool.serving_path import WorkerView
+from services.router.pool.path_prediction import WorkerView
 
 CAPACITY_TIMEOUT_S = 5.0
 CAPACITY_RETRY_S = 10.0

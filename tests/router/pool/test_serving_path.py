@@ -14,19 +14,20 @@ from hypothesis import strategies as st
 from services.cost_model import store
 from services.cost_model.step_cost import FEATURES, StepCost, StepShape
 from services.router.flow.context import FlowContext
-from services.router.pool.routing import Routing
-from services.router.pool.serving_path import (
+from services.router.pool.path_calibration import (
     CALIBRATION_BOUNDS,
     CALIBRATION_DECAY_S,
-    LENDING_LOCAL_PREFILL_TOKENS,
     PathCalibration,
+)
+from services.router.pool.path_prediction import (
     PathLoad,
-    ServingPaths,
     WorkerView,
     predict_local,
     predict_remote,
     stream_delay,
 )
+from services.router.pool.routing import Routing
+from services.router.pool.serving_path import LENDING_LOCAL_PREFILL_TOKENS, ServingPaths
 from services.router.pool.worker_pool import WorkerPool
 
 

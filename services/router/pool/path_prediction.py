@@ -1,0 +1,186 @@
+"""What each serving path of a prompt is predicted to cost (seconds), from the workers' fitted
+step costs and the router's view of their load: the first token's time on each path
+(`predict_local`, `predict_remote`) and the delay each would add to the decode worker's running
+streams (`stream_delay`). `serving_path.py` decides by them. Torch-free."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.cost_model import store
+from services.cost_model.step_cost import StepCost, StepShape
+from services.engine.config import EngineConfig
+from services.engine.step_budget import BORROWED_STEP_TOKENS, StepBudget
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What the router knows of one worker's capacity and speed (its GetInfo).
+
+    `costs`: fitted step costs by thread count; `threads`: the worker's own engine threads;
+    `lends`: it is on a core ledger (lends idle CPUs, borrows idle ones); `max_num_batched_tokens`
+    caps a step's tokens; `slo_itl_s`: the default ITL objective its step budget keeps (seconds);
+    `max_num_seqs`: requests its engine runs at once.
+    """
+
+    costs: Mapping[int, StepCost] = field(default_factory=dict)
+    threads: int = 1
+    lends: bool = False
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    slo_itl_s: float = EngineConfig.slo_itl_ms / 1000
+    max_num_seqs: int = EngineConfig.max_num_seqs
+
+    @classmethod
+    def from_info(cls, config_json: str, step_costs_json: str) -> WorkerView:
+        """From a worker's `WorkerInfo.config_json` and `.step_costs_json`; what is missing or
+        malformed keeps its default (an older or foreign worker is still routed to)."""
+        try:
+            costs = store.from_json(step_costs_json)
+        except ValueError:
+            costs = {}
+        try:
+            config = json.loads(config_json)
+            engine = config["engine"]
+            return cls(
+                costs,
+                threads=max(int(config["threads"]), 1),
+                lends=bool(config.get("core_ledger")),
+                max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
+                slo_itl_s=float(engine["slo_itl_ms"]) / 1000,
+                max_num_seqs=int(engine["max_num_seqs"]),
+            )
+        except (ValueError, KeyError, TypeError):
+            return cls(costs)
+
+    def cost(self, threads: int) -> StepCost | None:
+        """The fitted cost at `threads` (else the nearest fitted count below it, else the
+        smallest above: a pessimistic guess); None without any fit."""
+        if not self.costs:
+            return None
+        below = [t for t in self.costs if t <= threads]
+        return self.costs[max(below) if below else min(self.costs)]
+
+
+@dataclass(frozen=True)
+class PathLoad:
+    """One prompt and the router's view of the load on the two workers it could go to.
+
+    `prompt_tokens`: the prompt (with tokens already streamed, after a migration);
+    `prefill_cached`: of them, those the prefill worker's prefix cache holds (the index's guess);
+    `prefill_queued`: prompt tokens queued on that prefill worker by this router;
+    `decode_rows` / `decode_context`: streams running on the decode worker and their summed
+    context (tokens); `local_queued`: prompt tokens of local prefills not yet done there;
+    `decode_cached`: prompt tokens the decode worker's prefix cache holds (the index's guess).
+    """
+
+    prompt_tokens: int
+    prefill_cached: int = 0
+    prefill_queued: int = 0
+    decode_rows: int = 0
+    decode_context: int = 0
+    local_queued: int = 0
+    decode_cached: int = 0
+
+
+def predict_remote(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float | None:
+    """Predicted seconds until the prefill worker has the prompt's first token (the queue ahead,
+    then the uncached tokens); None without fitted costs."""
+    borrows = prefill.lends and decode.lends and load.decode_rows == 0 and not load.local_queued
+    threads = prefill.threads + (decode.threads if borrows else 0)
+    cost = prefill.cost(threads) or decode.cost(threads)  # one machine: one fitted file
+    if cost is None:
+        return None
+    cap = BORROWED_STEP_TOKENS if borrows else prefill.max_num_batched_tokens
+    uncached = max(load.prompt_tokens - load.prefill_cached, 1)
+    queue, _ = _chunked(cost, load.prefill_queued, 0, cap, ())
+    own, _ = _chunked(cost, uncached, load.prefill_cached, cap, ())
+    return queue + own
+
+
+def predict_local(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float | None:
+    """Predicted seconds until the decode worker has the prompt's first token, computed in
+    chunks beside its running streams (see the module docstring); None without fitted costs."""
+    borrows = decode.lends and prefill.lends and load.prefill_queued == 0
+    threads = decode.threads + (prefill.threads if borrows else 0)
+    cost = decode.cost(threads)
+    if cost is None:
+        return None
+    cap = min(decode.max_num_batched_tokens, BORROWED_STEP_TOKENS if borrows else math.inf)
+    contexts = _contexts(load)
+    queue, _ = _chunked(cost, load.local_queued, 0, int(cap), contexts, decode.slo_itl_s)
+    cached = min(load.decode_cached, load.prompt_tokens - 1)  # the last token is always run
+    own, _ = _chunked(
+        cost, load.prompt_tokens - cached, cached, int(cap), contexts, decode.slo_itl_s
+    )
+    return queue + own
+
+
+def stream_delay(path: str, prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float:
+    """Predicted delay (seconds summed over the decode worker's running streams) that
+    prefilling the prompt on `path` adds to those streams; 0.0 without streams or fitted costs.
+
+    local: each step carrying one of the prompt's chunks (`predict_local`'s chunking) takes
+    longer than the decode-only step it replaces, for every stream. remote: only while the
+    decode worker borrows the idle prefill worker's threads (both lend, nothing queued there)
+    does the prompt cost the streams anything: for its remote prefill the prefill worker takes
+    its threads back, and each decode step runs on the decode worker's own threads instead."""
+    rows = load.decode_rows
+    if not rows:
+        return 0.0
+    contexts = _contexts(load)
+    borrows = decode.lends and prefill.lends and load.prefill_queued == 0
+    threads = decode.threads + (prefill.threads if borrows else 0)
+    cost = decode.cost(threads)
+    if cost is None:
+        return 0.0
+    decode_step = cost.predict(StepShape(decode_contexts=contexts))
+    if path == "local":
+        cap = min(decode.max_num_batched_tokens, BORROWED_STEP_TOKENS if borrows else math.inf)
+        cached = min(load.decode_cached, load.prompt_tokens - 1)
+        tokens = load.prompt_tokens - cached
+        seconds, steps = _chunked(cost, tokens, cached, int(cap), contexts, decode.slo_itl_s)
+        return rows * max(seconds - steps * decode_step, 0.0)
+    own = decode.cost(decode.threads)
+    prefill_cost = prefill.cost(prefill.threads) or own
+    if not borrows or own is None or prefill_cost is None:
+        return 0.0
+    uncached = max(load.prompt_tokens - load.prefill_cached, 1)
+    remote, _ = _chunked(
+        prefill_cost, uncached, load.prefill_cached, prefill.max_num_batched_tokens, ()
+    )
+    slower = own.predict(StepShape(decode_contexts=contexts))
+    return rows * remote * max(1.0 - decode_step / slower, 0.0)
+
+
+def _contexts(load: PathLoad) -> tuple[int, ...]:
+    """The decode worker's running rows, each given the mean context (tokens)."""
+    rows = load.decode_rows
+    return (max(load.decode_context // rows, 1),) * rows if rows else ()
+
+
+def _chunked(
+    cost: StepCost,
+    tokens: int,
+    cached: int,
+    cap: int,
+    contexts: tuple[int, ...],
+    itl_s: float = math.inf,
+) -> tuple[float, int]:
+    """Predicted seconds and steps to prefill `tokens` after `cached` in chunks of at most
+    `cap`, each step also carrying decode rows of `contexts` (then a chunk keeps `itl_s`, as the
+    engine's step budget sizes it; the first chunk's size serves for all)."""
+    if tokens <= 0:
+        return 0.0, 0
+    chunk = max(cap, 1)
+    if contexts:
+        chunk = StepBudget(cost).prefill_tokens(contexts, cached, itl_s, chunk)
+    total, done, steps = 0.0, 0, 0
+    while done < tokens:
+        n = min(chunk, tokens - done)
+        total += cost.predict(StepShape(chunks=((n, cached + done),), decode_contexts=contexts))
+        done += n
+        steps += 1
+    return total, steps
