@@ -129,11 +129,11 @@ def start_pdserve(flags: list[str], dtype: str = "bfloat16") -> tuple[str, subpr
 def bench_dtype(asked: str) -> str:
     """The dtype every system of a comparison runs: `asked`, or for "auto" bfloat16 where the CPU
     has native bf16 dot products and float32 where it would emulate them (AVX2 only)."""
-    from services.engine.config import cpu_native_bf16
+    from services.cpu import native_bf16
 
     if asked != "auto":
         return asked
-    return "bfloat16" if cpu_native_bf16() else "float32"
+    return "bfloat16" if native_bf16() else "float32"
 
 
 def start_systems(names: list[str], vllm_venv: Path, dtype: str) -> list[System]:

@@ -22,6 +22,7 @@ from services.bench.backends import Send, Target, grpc_sender, http_sender, obje
 from services.bench.dataset import BenchRequest, Lengths, make_requests
 from services.bench.stats import Slo
 from services.bench.sweep import Point, goodput, run_point, sweep
+from services.cpu import cpu_info
 
 
 def _rates(text: str) -> list[float]:
@@ -160,16 +161,8 @@ def main(args: argparse.Namespace) -> int:
 
 def machine() -> dict[str, Any]:
     """What the figures were measured on: CPU model, CPUs this process may use, load average."""
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), ""
-            )
-    except OSError:
-        pass
     return {
-        "cpu_model": model,
+        "cpu_model": cpu_info().get("model name", ""),
         "cpus": len(os.sched_getaffinity(0)),
         "load_average": os.getloadavg(),
     }

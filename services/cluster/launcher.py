@@ -117,12 +117,8 @@ def cluster_spec(config: ClusterConfig, plan: PlacementPlan | None = None) -> Cl
     def router(prefill: list[str], decode: list[str]) -> ChildSpec:
         return child_spec("router", "router", config.router_config(prefill, decode, plan))
 
-    ttft_ms = config.router.slo_ttft_ms
-    paths = ServingPaths(
-        config.router.disaggregation,
-        config.router.max_local_prefill_tokens,
-        None if ttft_ms is None else ttft_ms / 1000,
-    )
+    rule = config.router
+    paths = ServingPaths(rule.disaggregation, rule.max_local_prefill_tokens, rule.slo_ttft_ms)
     path_line = f"serving path: {paths.describe(ledger is not None)}"
 
     return ClusterSpec(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.cost_model.step_cost import FEATURES, StepCost
+from services.cpu import cpu_info
 from services.env import cache_dir
 
 FORMAT = 2  # 2: context per thread (step_cost.FEATURES)
@@ -22,13 +23,7 @@ FORMAT = 2  # 2: context per thread (step_cost.FEATURES)
 def machine_id() -> str:
     """This machine's CPU as the cost model knows it: the model name and a digest of the CPU
     flags (a model fitted on an AVX-512 CPU says nothing of an AVX2-only one)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())  # the first CPU's
-    except OSError:
-        pass
+    fields = cpu_info()
     name = fields.get("model name") or platform.processor() or platform.machine()
     flags = " ".join(sorted(fields.get("flags", "").split()))
     return f"{name}|{hashlib.sha256(flags.encode()).hexdigest()[:12]}"

@@ -10,7 +10,6 @@ import enum
 import re
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.flags import flag
@@ -37,19 +36,6 @@ class EngineRole(enum.Enum):
 def default_dtype(device: str) -> str:
     """float32 on the CPU (exactness against the reference), bfloat16 on CUDA."""
     return "bfloat16" if device.startswith("cuda") else "float32"
-
-
-def cpu_native_bf16() -> bool:
-    """Whether this CPU has native bfloat16 dot products (AVX-512 BF16 or AMX, from
-    /proc/cpuinfo's flags): where bfloat16 is the fast mode; on AVX2-only CPUs oneDNN emulates it
-    several times slower than float32 (docs/benchmarks.md). False where /proc is not readable."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])  # fmt: skip
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _check_positive_int(name: str, value: object) -> None:

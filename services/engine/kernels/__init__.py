@@ -18,6 +18,7 @@ from types import ModuleType
 
 import torch
 
+from services.cpu import cpu_info
 from services.env import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -30,13 +31,7 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    return cpu_info().get("flags") or platform.processor()
 
 
 def _build_dir() -> Path:

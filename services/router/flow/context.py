@@ -58,8 +58,7 @@ class FlowContext:
             decode_cached=decode_cached,
         )
         views = self.pool.view(prefill), self.pool.view(decode)
-        ttft_s = None if ttft_objective_ms is None else ttft_objective_ms / 1000
-        choice = self.paths.choose(load, *views, self.calibration, ttft_s)
+        choice = self.paths.choose(load, *views, self.calibration, ttft_objective_ms)
         return choice.on(decode) if choice.path == "local" else choice
 
     def first_token(self, choice: PathChoice, seconds: float) -> None:

@@ -82,11 +82,7 @@ class GenerateFlow:
             routing,
             self.watchdog,
             migration,
-            ServingPaths(
-                disaggregation,
-                max_local_prefill_tokens,
-                None if slo_ttft_ms is None else slo_ttft_ms / 1000,
-            ),
+            ServingPaths(disaggregation, max_local_prefill_tokens, slo_ttft_ms),
         )
         """The model, pool, routing and policies each request's run uses (held once, here)."""
 

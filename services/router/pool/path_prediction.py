@@ -88,33 +88,24 @@ class PathLoad:
 def predict_remote(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float | None:
     """Predicted seconds until the prefill worker has the prompt's first token (the queue ahead,
     then the uncached tokens); None without fitted costs."""
-    borrows = prefill.lends and decode.lends and load.decode_rows == 0 and not load.local_queued
-    threads = prefill.threads + (decode.threads if borrows else 0)
-    cost = prefill.cost(threads) or decode.cost(threads)  # one machine: one fitted file
-    if cost is None:
+    plan = _remote_plan(prefill, decode, load)
+    if plan is None:
         return None
-    cap = BORROWED_STEP_TOKENS if borrows else prefill.max_num_batched_tokens
-    uncached = max(load.prompt_tokens - load.prefill_cached, 1)
+    cost, cap = plan
     queue, _ = _chunked(cost, load.prefill_queued, 0, cap, ())
-    own, _ = _chunked(cost, uncached, load.prefill_cached, cap, ())
-    return queue + own
+    return queue + _remote_prompt_s(cost, cap, load)
 
 
 def predict_local(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float | None:
     """Predicted seconds until the decode worker has the prompt's first token, computed in
     chunks beside its running streams (see the module docstring); None without fitted costs."""
-    borrows = decode.lends and prefill.lends and load.prefill_queued == 0
-    threads = decode.threads + (prefill.threads if borrows else 0)
-    cost = decode.cost(threads)
-    if cost is None:
+    plan = _local_plan(prefill, decode, load)
+    if plan is None:
         return None
-    cap = min(decode.max_num_batched_tokens, BORROWED_STEP_TOKENS if borrows else math.inf)
+    cost, cap, _ = plan
     contexts = _contexts(load)
-    queue, _ = _chunked(cost, load.local_queued, 0, int(cap), contexts, decode.slo_itl_s)
-    cached = min(load.decode_cached, load.prompt_tokens - 1)  # the last token is always run
-    own, _ = _chunked(
-        cost, load.prompt_tokens - cached, cached, int(cap), contexts, decode.slo_itl_s
-    )
+    queue, _ = _chunked(cost, load.local_queued, 0, cap, contexts, decode.slo_itl_s)
+    own, _ = _local_prompt(cost, cap, decode, load)
     return queue + own
 
 
@@ -125,34 +116,68 @@ def stream_delay(path: str, prefill: WorkerView, decode: WorkerView, load: PathL
     local: each step carrying one of the prompt's chunks (`predict_local`'s chunking) takes
     longer than the decode-only step it replaces, for every stream. remote: only while the
     decode worker borrows the idle prefill worker's threads (both lend, nothing queued there)
-    does the prompt cost the streams anything: for its remote prefill the prefill worker takes
-    its threads back, and each decode step runs on the decode worker's own threads instead."""
+    does the prompt cost the streams anything: for its remote prefill (`predict_remote`'s) the
+    prefill worker takes its threads back, and each decode step runs on the decode worker's own
+    threads instead."""
     rows = load.decode_rows
-    if not rows:
+    local = _local_plan(prefill, decode, load)
+    if not rows or local is None:
         return 0.0
-    contexts = _contexts(load)
+    cost, cap, borrows = local
+    decode_step = cost.predict(StepShape(decode_contexts=_contexts(load)))
+    if path == "local":
+        seconds, steps = _local_prompt(cost, cap, decode, load)
+        return rows * max(seconds - steps * decode_step, 0.0)
+    own = decode.cost(decode.threads)
+    remote = _remote_plan(prefill, decode, load)
+    if not borrows or own is None or remote is None:
+        return 0.0
+    slower = own.predict(StepShape(decode_contexts=_contexts(load)))
+    return rows * _remote_prompt_s(*remote, load) * max(1.0 - decode_step / slower, 0.0)
+
+
+def _remote_plan(
+    prefill: WorkerView, decode: WorkerView, load: PathLoad
+) -> tuple[StepCost, int] | None:
+    """The prefill worker's fitted cost and step cap for the prompt: on its own threads plus
+    the decode worker's when that one is idle and both lend; None without fitted costs."""
+    borrows = prefill.lends and decode.lends and load.decode_rows == 0 and not load.local_queued
+    threads = prefill.threads + (decode.threads if borrows else 0)
+    cost = prefill.cost(threads) or decode.cost(threads)  # one machine: one fitted file
+    if cost is None:
+        return None
+    return cost, BORROWED_STEP_TOKENS if borrows else prefill.max_num_batched_tokens
+
+
+def _remote_prompt_s(cost: StepCost, cap: int, load: PathLoad) -> float:
+    """Predicted seconds of the prompt's uncached tokens on the prefill worker."""
+    uncached = max(load.prompt_tokens - load.prefill_cached, 1)
+    seconds, _ = _chunked(cost, uncached, load.prefill_cached, cap, ())
+    return seconds
+
+
+def _local_plan(
+    prefill: WorkerView, decode: WorkerView, load: PathLoad
+) -> tuple[StepCost, int, bool] | None:
+    """The decode worker's fitted cost, step cap and whether it borrows the idle prefill
+    worker's threads (both lend, nothing queued there); None without fitted costs."""
     borrows = decode.lends and prefill.lends and load.prefill_queued == 0
     threads = decode.threads + (prefill.threads if borrows else 0)
     cost = decode.cost(threads)
     if cost is None:
-        return 0.0
-    decode_step = cost.predict(StepShape(decode_contexts=contexts))
-    if path == "local":
-        cap = min(decode.max_num_batched_tokens, BORROWED_STEP_TOKENS if borrows else math.inf)
-        cached = min(load.decode_cached, load.prompt_tokens - 1)
-        tokens = load.prompt_tokens - cached
-        seconds, steps = _chunked(cost, tokens, cached, int(cap), contexts, decode.slo_itl_s)
-        return rows * max(seconds - steps * decode_step, 0.0)
-    own = decode.cost(decode.threads)
-    prefill_cost = prefill.cost(prefill.threads) or own
-    if not borrows or own is None or prefill_cost is None:
-        return 0.0
-    uncached = max(load.prompt_tokens - load.prefill_cached, 1)
-    remote, _ = _chunked(
-        prefill_cost, uncached, load.prefill_cached, prefill.max_num_batched_tokens, ()
-    )
-    slower = own.predict(StepShape(decode_contexts=contexts))
-    return rows * remote * max(1.0 - decode_step / slower, 0.0)
+        return None
+    cap = min(decode.max_num_batched_tokens, BORROWED_STEP_TOKENS if borrows else math.inf)
+    return cost, int(cap), bool(borrows)
+
+
+def _local_prompt(
+    cost: StepCost, cap: int, decode: WorkerView, load: PathLoad
+) -> tuple[float, int]:
+    """Predicted seconds and steps of the prompt's tokens past the decode worker's cached
+    prefix, in chunks beside its running streams."""
+    cached = min(load.decode_cached, load.prompt_tokens - 1)  # the last token is always run
+    tokens = load.prompt_tokens - cached
+    return _chunked(cost, tokens, cached, cap, _contexts(load), decode.slo_itl_s)
 
 
 def _contexts(load: PathLoad) -> tuple[int, ...]:

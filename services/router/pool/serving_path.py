@@ -89,12 +89,12 @@ class ServingPaths:
     """The serving-path rule of a router: `disaggregation` ("auto" | "always" | "never"),
     `max_local_prefill_tokens` (`--max-local-prefill-tokens`; None: predicted by cost where the
     workers report fitted costs and lend CPUs, else the length rule's default, see the module
-    docstring) and `slo_ttft_s`, the TTFT objective of a request that sets none (seconds;
+    docstring) and `slo_ttft_ms`, the TTFT objective of a request that sets none (milliseconds;
     `--slo-ttft-ms`; None: the lower predicted TTFT decides)."""
 
     disaggregation: str = "auto"
     max_local_prefill_tokens: int | None = None
-    slo_ttft_s: float | None = None
+    slo_ttft_ms: float | None = None
 
     def describe(self, lends: bool) -> str:
         """The rule in words, for `pdserve serve`'s log (`lends`: the workers lend CPUs)."""
@@ -118,11 +118,11 @@ class ServingPaths:
         prefill: WorkerView | None,
         decode: WorkerView | None,
         calibration: PathCalibration | None = None,
-        ttft_s: float | None = None,
+        ttft_ms: float | None = None,
     ) -> PathChoice:
         """The path of one prompt. `prefill` / `decode`: the workers it would go to (None: not
         known yet, or no such worker); `calibration` scales the predictions (None: as fitted);
-        `ttft_s`: the request's TTFT objective (seconds; None: `slo_ttft_s`)."""
+        `ttft_ms`: the request's TTFT objective (milliseconds; None: `slo_ttft_ms`)."""
         if self.disaggregation == "never":
             return PathChoice("local", "mode")
         if self.disaggregation == "always":
@@ -135,7 +135,8 @@ class ServingPaths:
             if local is not None and remote is not None:
                 scales = {p: calibration.scale(p) if calibration else 1.0 for p in PATHS}
                 local, remote = local * scales["local"], remote * scales["remote"]
-                objective = ttft_s if ttft_s is not None else self.slo_ttft_s
+                objective_ms = ttft_ms if ttft_ms is not None else self.slo_ttft_ms
+                objective = None if objective_ms is None else objective_ms / 1000
                 if objective is not None and min(local, remote) <= objective:
                     return _within_objective(
                         load, prefill, decode, local, remote, objective, scales

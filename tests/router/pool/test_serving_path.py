@@ -178,20 +178,20 @@ def test_within_a_ttft_objective_the_path_that_delays_the_streams_least_wins():
     assert delays["local"] == pytest.approx(4 * (chunk - step[2]))
     assert delays["remote"] == pytest.approx(4 * remote * (1 - step[2] / step[1]))
     assert 0 < delays["remote"] < delays["local"]
-    loose = AUTO.choose(load, view, view, ttft_s=1.0)
+    loose = AUTO.choose(load, view, view, ttft_ms=1000.0)
     assert (loose.path, loose.reason) == ("remote", "objective")
     assert (loose.local_delay_s, loose.remote_delay_s) == (delays["local"], delays["remote"])
-    tight = AUTO.choose(load, view, view, ttft_s=(local + remote) / 2)
+    tight = AUTO.choose(load, view, view, ttft_ms=(local + remote) / 2 * 1000)
     assert (tight.path, tight.reason) == ("local", "objective")
-    missed = AUTO.choose(load, view, view, ttft_s=local / 2)
+    missed = AUTO.choose(load, view, view, ttft_ms=local / 2 * 1000)
     assert (missed.path, missed.reason) == ("local", "predicted")
     assert (AUTO.choose(load, view, view).path, AUTO.choose(load, view, view).reason) == (
         "local",
         "predicted",
     )
-    by_default = ServingPaths(slo_ttft_s=1.0)
+    by_default = ServingPaths(slo_ttft_ms=1000.0)
     assert by_default.choose(load, view, view).path == "remote"  # the router's --slo-ttft-ms
-    assert by_default.choose(load, view, view, ttft_s=(local + remote) / 2).path == "local"
+    assert by_default.choose(load, view, view, ttft_ms=(local + remote) / 2 * 1000).path == "local"
 
 
 def test_remote_costs_the_streams_nothing_unless_the_decode_worker_was_borrowing():
@@ -202,10 +202,10 @@ def test_remote_costs_the_streams_nothing_unless_the_decode_worker_was_borrowing
     busy = PathLoad(256, decode_rows=4, decode_context=800, prefill_queued=64)
     assert stream_delay("remote", view, view, busy) == 0.0
     assert stream_delay("local", view, view, busy) > 0.0
-    assert AUTO.choose(busy, view, view, ttft_s=10.0).path == "remote"
+    assert AUTO.choose(busy, view, view, ttft_ms=10_000.0).path == "remote"
     idle = PathLoad(256)
     assert stream_delay("local", view, view, idle) == stream_delay("remote", view, view, idle) == 0
-    choice = AUTO.choose(idle, view, view, ttft_s=10.0)
+    choice = AUTO.choose(idle, view, view, ttft_ms=10_000.0)
     assert (choice.path, choice.reason) == ("local", "objective")
     fixed = WorkerView({t: bandwidth_bound(t) for t in (1, 2)}, threads=1)  # no lending
     assert stream_delay("remote", fixed, fixed, busy) == 0.0

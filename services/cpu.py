@@ -1,0 +1,29 @@
+"""What this machine's CPU is, from /proc/cpuinfo: read once per process and shared by the cost
+model's machine key, the C++ kernels' build key, the benchmarks' records and the dtype choice."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+
+@functools.cache  # the CPU does not change under a running process
+def cpu_info() -> dict[str, str]:
+    """The first CPU's /proc/cpuinfo fields ("model name", "flags", ...); empty where /proc is
+    not readable (not Linux)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has native bfloat16 dot products (AVX-512 BF16 or AMX): where bfloat16
+    is the fast mode; on AVX2-only CPUs oneDNN emulates it several times slower than float32
+    (docs/benchmarks.md). False where the flags are not readable."""
+    flags = cpu_info().get("flags", "").split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
