@@ -149,9 +149,10 @@ def knee_start(
     step costs (in `dtype`) at the most threads (without saved costs, on P0 for the decode
     share)."""
     from services.cost_model import store
-    from services.engine.loader import resolve_model
+    from services.engine.loader import model_id, resolve_model
 
-    key = store.CostModelKey(store.machine_id(), dtype, Path(resolve_model(MODEL)).name)
+    # the engine's own key (Engine.cost_model_key): the model's name and its content digest
+    key = store.CostModelKey(store.machine_id(), dtype, model_id(Path(resolve_model(MODEL))))
     try:
         costs = store.load(key)
     except (OSError, ValueError):
