@@ -19,18 +19,27 @@ path judged slow under a burst is chosen less, so it would otherwise keep the bu
 long after the burst (measured: under the suite's quick W1 check, after a point past the knee
 the local path's ratio sent half of a lighter point's prompts to a one-core prefill worker
 whose TTFT missed the objective)."""
+CALIBRATION_SPREAD_PRIOR = 0.15
+"""The spread (standard deviation of observed / predicted) a path is assumed to have before its
+observations say otherwise, and returns to with the ratio: the router's live first-token
+predictions were within about 15% (docs/benchmarks.md, the suite's quick W1 checks)."""
+Z_P90 = 1.2816
+"""The standard normal's 90th percentile: `PathCalibration.upper` is the ratio a path's first
+token stays within for about 90% of requests, the attainment the goodput counts."""
 
 
 class PathCalibration:
     """Observed over predicted seconds to the first token, per path, as an exponentially
     weighted mean (`CALIBRATION_WEIGHT`, kept within `CALIBRATION_BOUNDS`; 1.0 until a path's
-    first observation) that decays back to 1.0 between observations (`CALIBRATION_DECAY_S`).
-    One per router; thread-safe. `clock`: seconds (time.monotonic)."""
+    first observation) and variance (West's incremental form, as for the mean), both decaying
+    back to their priors (1.0, `CALIBRATION_SPREAD_PRIOR`) between observations
+    (`CALIBRATION_DECAY_S`). One per router; thread-safe. `clock`: seconds (time.monotonic)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._clock = clock
         self._ratio = dict.fromkeys(PATHS, 1.0)
+        self._variance = dict.fromkeys(PATHS, CALIBRATION_SPREAD_PRIOR**2)
         self._at = dict.fromkeys(PATHS, 0.0)  # when each ratio was last set
 
     def observe(self, path: str, predicted_s: float, observed_s: float) -> None:
@@ -44,15 +53,31 @@ class PathCalibration:
         ratio = min(max(observed_s / predicted_s, low), high)
         with self._lock:
             now = self._clock()
-            old = self._decayed(path, now)
-            self._ratio[path] = old + CALIBRATION_WEIGHT * (ratio - old)
+            old, variance = self._decayed(path, now)
+            step = ratio - old
+            self._ratio[path] = old + CALIBRATION_WEIGHT * step
+            self._variance[path] = (1 - CALIBRATION_WEIGHT) * (
+                variance + CALIBRATION_WEIGHT * step * step
+            )
             self._at[path] = now
 
     def scale(self, path: str) -> float:
-        """The factor `path`'s predictions are multiplied by."""
+        """The factor `path`'s predictions are multiplied by (the ratio's mean)."""
         with self._lock:
-            return self._decayed(path, self._clock())
+            return self._decayed(path, self._clock())[0]
 
-    def _decayed(self, path: str, now: float) -> float:
+    def upper(self, path: str) -> float:
+        """The ratio `path`'s first tokens stay within about 90% of the time: the mean plus
+        `Z_P90` standard deviations. A prediction times this meets a TTFT objective with the
+        margin a 90% attainment needs, where the mean alone meets it half the time."""
+        with self._lock:
+            ratio, variance = self._decayed(path, self._clock())
+        return ratio + Z_P90 * math.sqrt(variance)
+
+    def _decayed(self, path: str, now: float) -> tuple[float, float]:
         weight = math.exp(-max(now - self._at[path], 0.0) / CALIBRATION_DECAY_S)
-        return 1.0 + (self._ratio[path] - 1.0) * weight
+        prior = CALIBRATION_SPREAD_PRIOR**2
+        return (
+            1.0 + (self._ratio[path] - 1.0) * weight,
+            prior + (self._variance[path] - prior) * weight,
+        )

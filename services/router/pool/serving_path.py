@@ -21,8 +21,10 @@ recent requests (`PathCalibration`, returning to 1 within seconds without new on
 fitted costs miss, such as a core shared with the router, the hand-over of borrowed threads or
 the serving path's own milliseconds, is measured, not modelled. Without a TTFT objective the
 prompt goes where its predicted TTFT is lower (local on a tie: it ships no KV). With one (the
-request's `x-slo-ttft-ms`, else the router's `--slo-ttft-ms`), of the paths predicted to meet it
-the prompt takes the one that delays the decode worker's running streams least (stream-seconds,
+request's `x-slo-ttft-ms`, else the router's `--slo-ttft-ms`), of the paths that meet it (the
+prediction times the path's calibrated 90% bound, `PathCalibration.upper`: a prediction just
+inside the objective misses it as soon as the prompt queues) the prompt takes the one that
+delays the decode worker's running streams least (stream-seconds,
 `stream_delay`): local, its chunks lengthen those streams' steps; remote, when the decode
 worker is borrowing the idle prefill worker's CPUs, the prefill worker takes them back for the
 prompt and the streams' steps run on the decode worker's own. TaiChi (2025) and DistServe place
@@ -121,7 +123,8 @@ class ServingPaths:
         ttft_ms: float | None = None,
     ) -> PathChoice:
         """The path of one prompt. `prefill` / `decode`: the workers it would go to (None: not
-        known yet, or no such worker); `calibration` scales the predictions (None: as fitted);
+        known yet, or no such worker); `calibration` scales the predictions and bounds their
+        spread (None: a fresh one, the predictions as fitted, `CALIBRATION_SPREAD_PRIOR`);
         `ttft_ms`: the request's TTFT objective (milliseconds; None: `slo_ttft_ms`)."""
         if self.disaggregation == "never":
             return PathChoice("local", "mode")
@@ -133,14 +136,18 @@ class ServingPaths:
             local = predict_local(prefill, decode, load)
             remote = predict_remote(prefill, decode, load)
             if local is not None and remote is not None:
-                scales = {p: calibration.scale(p) if calibration else 1.0 for p in PATHS}
+                calibration = calibration or PathCalibration()
+                predicted = {"local": local, "remote": remote}
+                scales = {p: calibration.scale(p) for p in PATHS}
                 local, remote = local * scales["local"], remote * scales["remote"]
                 objective_ms = ttft_ms if ttft_ms is not None else self.slo_ttft_ms
-                objective = None if objective_ms is None else objective_ms / 1000
-                if objective is not None and min(local, remote) <= objective:
-                    return _within_objective(
-                        load, prefill, decode, local, remote, objective, scales
-                    )
+                if objective_ms is not None:
+                    bound = {p: t * calibration.upper(p) * 1000 for p, t in predicted.items()}
+                    meets = [p for p in PATHS if bound[p] <= objective_ms]
+                    if meets:
+                        return _within_objective(
+                            load, prefill, decode, local, remote, meets, scales
+                        )
                 path = "local" if local <= remote else "remote"
                 return PathChoice(path, "predicted", local, remote, scale=scales[path])
         if limit is None:
@@ -150,12 +157,12 @@ class ServingPaths:
 
 def _within_objective(
     load: PathLoad, prefill: WorkerView, decode: WorkerView, local: float, remote: float,
-    objective: float, scales: Mapping[str, float],
+    meets: list[str], scales: Mapping[str, float],
 ) -> PathChoice:  # fmt: skip
-    """Of the paths whose predicted TTFT (`local`, `remote`: calibrated seconds) meets
-    `objective`, the one delaying the running streams least (local on a tie)."""
+    """Of the paths that meet the TTFT objective (`meets`: their predictions within the
+    calibration's 90% bound), the one delaying the running streams least (local on a tie);
+    `local`, `remote`: the calibrated predictions (seconds)."""
     delays = {p: stream_delay(p, prefill, decode, load) for p in PATHS}
-    meets = [p for p, t in (("local", local), ("remote", remote)) if t <= objective]
     path = min(meets, key=lambda p: (delays[p], p != "local"))
     return PathChoice(
         path, "objective", local, remote, scale=scales[path],

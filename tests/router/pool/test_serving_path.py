@@ -17,6 +17,8 @@ from services.router.flow.context import FlowContext
 from services.router.pool.path_calibration import (
     CALIBRATION_BOUNDS,
     CALIBRATION_DECAY_S,
+    CALIBRATION_SPREAD_PRIOR,
+    Z_P90,
     PathCalibration,
 )
 from services.router.pool.path_prediction import (
@@ -181,8 +183,13 @@ def test_within_a_ttft_objective_the_path_that_delays_the_streams_least_wins():
     loose = AUTO.choose(load, view, view, ttft_ms=1000.0)
     assert (loose.path, loose.reason) == ("remote", "objective")
     assert (loose.local_delay_s, loose.remote_delay_s) == (delays["local"], delays["remote"])
-    tight = AUTO.choose(load, view, view, ttft_ms=(local + remote) / 2 * 1000)
+    margin = 1 + Z_P90 * CALIBRATION_SPREAD_PRIOR  # a fresh calibration's 90% bound
+    assert local * margin < remote
+    tight = AUTO.choose(load, view, view, ttft_ms=local * margin * 1000 * 1.01)
     assert (tight.path, tight.reason) == ("local", "objective")
+    # remote predicted inside the objective but not with the margin: local, which meets it
+    inside = AUTO.choose(load, view, view, ttft_ms=remote * 1000 * 1.01)
+    assert (inside.path, inside.reason) == ("local", "objective")
     missed = AUTO.choose(load, view, view, ttft_ms=local / 2 * 1000)
     assert (missed.path, missed.reason) == ("local", "predicted")
     assert (AUTO.choose(load, view, view).path, AUTO.choose(load, view, view).reason) == (
@@ -191,7 +198,38 @@ def test_within_a_ttft_objective_the_path_that_delays_the_streams_least_wins():
     )
     by_default = ServingPaths(slo_ttft_ms=1000.0)
     assert by_default.choose(load, view, view).path == "remote"  # the router's --slo-ttft-ms
-    assert by_default.choose(load, view, view, ttft_ms=(local + remote) / 2 * 1000).path == "local"
+    assert by_default.choose(load, view, view, ttft_ms=remote * 1000).path == "local"
+
+
+def test_the_calibration_bounds_a_path_at_90_percent_by_its_observed_spread():
+    """`upper` is the mean ratio plus Z_P90 standard deviations: the prior spread before any
+    observation, wider after scattered ones, narrower after steady ones, back to the prior
+    without new ones. So a prompt takes a path whose prediction meets its TTFT objective only
+    when the path's recent first tokens came with the room a 90% attainment needs."""
+    now = [0.0]
+    calibration = PathCalibration(clock=lambda: now[0])
+    prior = 1 + Z_P90 * CALIBRATION_SPREAD_PRIOR
+    assert calibration.upper("remote") == pytest.approx(prior)
+    for _ in range(60):
+        calibration.observe("local", 1.0, 1.0)  # every prediction exact
+    assert calibration.scale("local") == pytest.approx(1.0)
+    assert calibration.upper("local") == pytest.approx(1.0, abs=0.01)
+    for i in range(60):
+        calibration.observe("remote", 1.0, (0.6, 1.4)[i % 2])  # +-40% about the prediction
+    assert calibration.scale("remote") == pytest.approx(1.0, abs=0.1)
+    assert calibration.upper("remote") > 1 + Z_P90 * 0.3
+    now[0] = 100 * CALIBRATION_DECAY_S
+    assert calibration.upper("remote") == pytest.approx(prior, rel=1e-3)
+    view = WorkerView({t: bandwidth_bound(t) for t in (1, 2)}, threads=1, lends=True)
+    load = PathLoad(256, decode_rows=4, decode_context=4 * 200)
+    remote = predict_remote(view, view, load)
+    now[0] = 0.0
+    steady = PathCalibration(clock=lambda: now[0])
+    for _ in range(60):
+        steady.observe("remote", 1.0, 1.0)
+    objective_ms = remote * 1000 * 1.05  # inside the steady bound, outside the prior's
+    assert AUTO.choose(load, view, view, steady, objective_ms).path == "remote"
+    assert AUTO.choose(load, view, view, PathCalibration(), objective_ms).path == "local"
 
 
 def test_remote_costs_the_streams_nothing_unless_the_decode_worker_was_borrowing():
