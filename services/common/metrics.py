@@ -220,14 +220,16 @@ REQUESTS_BY_PATH = Counter(
 PATH_DECISIONS = Counter(
     "pdserve_router_path_decisions",
     "Serving-path decisions by path and reason: mode (--disaggregation always/never), length "
-    "(the prompt-length rule: no fitted costs) or predicted (the lower predicted TTFT).",
+    "(the prompt-length rule: no fitted costs), predicted (the lower predicted TTFT) or "
+    "objective (the least delay to running streams within the TTFT objective).",
     ["role", "path", "reason"],
 )
 PATH_CALIBRATION = Gauge(
     "pdserve_router_path_calibration_ratio",
     "Observed over predicted seconds to the first token of predicted serving-path choices, per "
-    "path (a weighted mean; the factor the router scales that path's next predictions by).",
-    ["role", "path"],
+    "path and decode worker state (idle or streaming: it had running streams), a weighted mean; "
+    "the factor the router scales that path's next predictions in that state by.",
+    ["role", "path", "decode"],
 )
 CORES_HELD = Gauge(
     "pdserve_cores_held",

@@ -11,7 +11,7 @@ from services.common.errors import ServiceUnavailableError
 from services.config.migration import MigrationConfig
 from services.router.flow.prompt import ModelInfo
 from services.router.flow.watchdog import StallWatchdog
-from services.router.pool.path_calibration import PathCalibration
+from services.router.pool.path_calibration import PathCalibration, decode_state
 from services.router.pool.path_prediction import PathLoad
 from services.router.pool.routing import Routing
 from services.router.pool.serving_path import PathChoice, ServingPaths
@@ -66,6 +66,8 @@ class FlowContext:
         choice's path calibrates the next predictions (`PathCalibration`)."""
         predicted = choice.local_s if choice.path == "local" else choice.remote_s
         if choice.reason in ("predicted", "objective") and predicted is not None:
-            self.calibration.observe(choice.path, predicted / choice.scale, seconds)
-            ratio = self.calibration.scale(choice.path)
-            metrics.PATH_CALIBRATION.labels("router", choice.path).set(ratio)
+            streaming = choice.streaming
+            self.calibration.observe(choice.path, predicted / choice.scale, seconds, streaming)
+            ratio = self.calibration.scale(choice.path, streaming)
+            state = decode_state(streaming)
+            metrics.PATH_CALIBRATION.labels("router", choice.path, state).set(ratio)

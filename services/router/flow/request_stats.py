@@ -24,7 +24,7 @@ import grpc
 
 from services.common import metrics
 from services.router.flow.messages import Timings, Usage
-from services.router.pool.path_calibration import PATHS
+from services.router.pool.path_calibration import DECODE_STATES, PATHS
 from services.router.pool.serving_path import MODES, PathChoice
 
 ROLE = "router"
@@ -48,7 +48,8 @@ def create_series() -> None:
         metrics.REQUEST_LEG_TIME.labels(ROLE, leg)
     for path in PATHS:
         metrics.REQUESTS_BY_PATH.labels(ROLE, path)
-        metrics.PATH_CALIBRATION.labels(ROLE, path).set(1.0)
+        for state in DECODE_STATES:
+            metrics.PATH_CALIBRATION.labels(ROLE, path, state).set(1.0)
         for reason in MODES:
             metrics.PATH_DECISIONS.labels(ROLE, path, reason)
 

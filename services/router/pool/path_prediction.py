@@ -86,19 +86,23 @@ class PathLoad:
 
 
 def predict_remote(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float | None:
-    """Predicted seconds until the prefill worker has the prompt's first token (the queue ahead,
-    then the uncached tokens); None without fitted costs."""
+    """Predicted seconds until the prefill worker has the prompt's first token (its CPU back
+    from a decode worker borrowing it, the queue ahead, then the uncached tokens); None without
+    fitted costs."""
     plan = _remote_plan(prefill, decode, load)
     if plan is None:
         return None
     cost, cap = plan
     queue, _ = _chunked(cost, load.prefill_queued, 0, cap, ())
-    return queue + _remote_prompt_s(cost, cap, load)
+    local = _local_plan(prefill, decode, load)
+    reclaim = _in_flight_s(local[0], load) if local is not None and local[2] else 0.0
+    return reclaim + queue + _remote_prompt_s(cost, cap, load)
 
 
 def predict_local(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float | None:
-    """Predicted seconds until the decode worker has the prompt's first token, computed in
-    chunks beside its running streams (see the module docstring); None without fitted costs."""
+    """Predicted seconds until the decode worker has the prompt's first token (the step in
+    flight, the local prefills ahead, then the prompt in chunks beside its running streams; see
+    the module docstring); None without fitted costs."""
     plan = _local_plan(prefill, decode, load)
     if plan is None:
         return None
@@ -106,7 +110,7 @@ def predict_local(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> fl
     contexts = _contexts(load)
     queue, _ = _chunked(cost, load.local_queued, 0, cap, contexts, decode.slo_itl_s)
     own, _ = _local_prompt(cost, cap, decode, load)
-    return queue + own
+    return _in_flight_s(cost, load) + queue + own
 
 
 def stream_delay(path: str, prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float:
@@ -178,6 +182,15 @@ def _local_prompt(
     cached = min(load.decode_cached, load.prompt_tokens - 1)  # the last token is always run
     tokens = load.prompt_tokens - cached
     return _chunked(cost, tokens, cached, cap, _contexts(load), decode.slo_itl_s)
+
+
+def _in_flight_s(cost: StepCost, load: PathLoad) -> float:
+    """Expected seconds left of the decode worker's step in flight when the prompt arrives (half
+    a decode-only step of its running rows; 0.0 with none): a local prompt joins the next step,
+    and a remote one waits for it too while the decode worker computes on the prefill worker's
+    borrowed CPU (the prefill worker takes it back between steps)."""
+    contexts = _contexts(load)
+    return cost.predict(StepShape(decode_contexts=contexts)) / 2 if contexts else 0.0
 
 
 def _contexts(load: PathLoad) -> tuple[int, ...]:

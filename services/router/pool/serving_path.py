@@ -71,7 +71,8 @@ class PathChoice:
     """A prompt's path ("local" | "remote"), why (one of MODES) and, when predicted, each
     path's predicted TTFT (seconds, calibrated), the calibration factor of the chosen path's
     prediction and the decode worker it was predicted on; under a TTFT objective, each path's
-    predicted delay to the running streams (stream-seconds)."""
+    predicted delay to the running streams (stream-seconds); `streaming`: the decode worker had
+    running streams (the calibration's state, `DECODE_STATES`)."""
 
     path: str
     reason: str
@@ -81,6 +82,7 @@ class PathChoice:
     decode: str | None = None
     local_delay_s: float | None = None
     remote_delay_s: float | None = None
+    streaming: bool = False
 
     def on(self, decode: str) -> PathChoice:
         return dataclasses.replace(self, decode=decode)
@@ -138,18 +140,21 @@ class ServingPaths:
             if local is not None and remote is not None:
                 calibration = calibration or PathCalibration()
                 predicted = {"local": local, "remote": remote}
-                scales = {p: calibration.scale(p) for p in PATHS}
+                streaming = load.decode_rows > 0
+                scales = {p: calibration.scale(p, streaming) for p in PATHS}
                 local, remote = local * scales["local"], remote * scales["remote"]
                 objective_ms = ttft_ms if ttft_ms is not None else self.slo_ttft_ms
                 if objective_ms is not None:
-                    bound = {p: t * calibration.upper(p) * 1000 for p, t in predicted.items()}
-                    meets = [p for p in PATHS if bound[p] <= objective_ms]
+                    upper = {p: calibration.upper(p, streaming) for p in PATHS}
+                    meets = [p for p in PATHS if predicted[p] * upper[p] * 1000 <= objective_ms]
                     if meets:
                         return _within_objective(
                             load, prefill, decode, local, remote, meets, scales
                         )
                 path = "local" if local <= remote else "remote"
-                return PathChoice(path, "predicted", local, remote, scale=scales[path])
+                return PathChoice(
+                    path, "predicted", local, remote, scale=scales[path], streaming=streaming
+                )
         if limit is None:
             limit = LENDING_LOCAL_PREFILL_TOKENS if lends else 0
         return PathChoice("local" if load.prompt_tokens <= limit else "remote", "length")
@@ -167,4 +172,5 @@ def _within_objective(
     return PathChoice(
         path, "objective", local, remote, scale=scales[path],
         local_delay_s=delays["local"], remote_delay_s=delays["remote"],
+        streaming=load.decode_rows > 0,
     )  # fmt: skip

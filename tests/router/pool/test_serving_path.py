@@ -97,17 +97,20 @@ def test_local_prefills_queued_on_the_decode_worker_count():
 def test_observed_first_token_times_calibrate_the_path_they_were_predicted_for():
     """A path whose requests reach their first token later than predicted (here the remote
     path, twice as slow as fitted: a core shared with the router) is predicted slower from
-    then on, and the choice flips; one wild observation moves the ratio by a bounded step."""
+    then on in the decode worker's state they were chosen in (streaming here), and the choice
+    flips; the idle state keeps its own ratio; one wild observation moves the ratio by a
+    bounded step."""
     load = PathLoad(512, decode_rows=1, decode_context=300, local_queued=1024)
     now = [100.0]
     calibration = PathCalibration(clock=lambda: now[0])
     first = AUTO.choose(load, LENDER, LENDER, calibration)
-    assert first.path == "remote" and first.scale == 1.0
+    assert first.path == "remote" and first.scale == 1.0 and first.streaming
     for _ in range(20):
-        calibration.observe("remote", first.remote_s, 2 * first.remote_s)
-        calibration.observe("local", first.local_s, first.local_s)
-    assert calibration.scale("remote") == pytest.approx(2.0, rel=0.05)
-    assert calibration.scale("local") == pytest.approx(1.0)
+        calibration.observe("remote", first.remote_s, 2 * first.remote_s, streaming=True)
+        calibration.observe("local", first.local_s, first.local_s, streaming=True)
+    assert calibration.scale("remote", streaming=True) == pytest.approx(2.0, rel=0.05)
+    assert calibration.scale("local", streaming=True) == pytest.approx(1.0)
+    assert calibration.scale("remote") == 1.0  # idle: not observed
     second = AUTO.choose(load, LENDER, LENDER, calibration)
     assert second.path == "local" and second.remote_s == pytest.approx(2 * first.remote_s, 0.05)
     calibration.observe("local", 0.1, 1000.0)  # clamped to the upper bound, then weighted
@@ -116,11 +119,11 @@ def test_observed_first_token_times_calibrate_the_path_they_were_predicted_for()
     with pytest.raises(ValueError, match="path"):
         calibration.observe("sideways", 1.0, 1.0)
     # Unobserved, a ratio returns to 1: a path judged slow in a burst is tried again after it.
-    remote = calibration.scale("remote")
+    remote = calibration.scale("remote", streaming=True)
     now[0] += CALIBRATION_DECAY_S
-    assert calibration.scale("remote") == pytest.approx(1 + (remote - 1) / math.e)
+    assert calibration.scale("remote", streaming=True) == pytest.approx(1 + (remote - 1) / math.e)
     now[0] += 10 * CALIBRATION_DECAY_S
-    assert calibration.scale("remote") == pytest.approx(1.0, abs=1e-4)
+    assert calibration.scale("remote", streaming=True) == pytest.approx(1.0, abs=1e-4)
     assert AUTO.choose(load, LENDER, LENDER, calibration).path == "remote"
 
 
@@ -178,7 +181,9 @@ def test_within_a_ttft_objective_the_path_that_delays_the_streams_least_wins():
     step = {t: bandwidth_bound(t).predict(StepShape(decode_contexts=rows)) for t in (1, 2)}
     chunk = bandwidth_bound(2).predict(StepShape(chunks=((256, 0),), decode_contexts=rows))
     assert delays["local"] == pytest.approx(4 * (chunk - step[2]))
-    assert delays["remote"] == pytest.approx(4 * remote * (1 - step[2] / step[1]))
+    assert local == pytest.approx(step[2] / 2 + chunk)  # the step in flight, then the chunk
+    reclaim = step[2] / 2  # the prefill worker takes its CPU back after the step in flight
+    assert delays["remote"] == pytest.approx(4 * (remote - reclaim) * (1 - step[2] / step[1]))
     assert 0 < delays["remote"] < delays["local"]
     loose = AUTO.choose(load, view, view, ttft_ms=1000.0)
     assert (loose.path, loose.reason) == ("remote", "objective")
@@ -226,7 +231,7 @@ def test_the_calibration_bounds_a_path_at_90_percent_by_its_observed_spread():
     now[0] = 0.0
     steady = PathCalibration(clock=lambda: now[0])
     for _ in range(60):
-        steady.observe("remote", 1.0, 1.0)
+        steady.observe("remote", 1.0, 1.0, streaming=True)  # the load's state: streams run
     objective_ms = remote * 1000 * 1.05  # inside the steady bound, outside the prior's
     assert AUTO.choose(load, view, view, steady, objective_ms).path == "remote"
     assert AUTO.choose(load, view, view, PathCalibration(), objective_ms).path == "local"
@@ -287,7 +292,7 @@ def test_the_router_predicts_from_what_it_has_in_flight_and_places_local_prompts
     loaded = context.choose_path(list(range(1024)))
     assert loaded.path == "local" and loaded.local_s < loaded.remote_s
     context.first_token(loaded, 3 * loaded.local_s)  # slower than predicted: calibrates
-    assert context.calibration.scale("local") > 1.0
+    assert context.calibration.scale("local", loaded.streaming) > 1.0
     context.first_token(ServingPaths("always").choose(PathLoad(1), None, None), 9.0)
     assert context.calibration.scale("remote") == 1.0  # a mode's choice predicts nothing
     routing.local_prefill(taken, -256)
