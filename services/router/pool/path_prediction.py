@@ -84,6 +84,11 @@ class PathLoad:
     local_queued: int = 0
     decode_cached: int = 0
 
+    @property
+    def streaming(self) -> bool:
+        """The decode worker has running streams (the state `PathCalibration` keeps apart)."""
+        return self.decode_rows > 0
+
 
 def predict_remote(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float | None:
     """Predicted seconds until the prefill worker has the prompt's first token (its CPU back
@@ -145,7 +150,7 @@ def _remote_plan(
 ) -> tuple[StepCost, int] | None:
     """The prefill worker's fitted cost and step cap for the prompt: on its own threads plus
     the decode worker's when that one is idle and both lend; None without fitted costs."""
-    borrows = prefill.lends and decode.lends and load.decode_rows == 0 and not load.local_queued
+    borrows = prefill.lends and decode.lends and not load.streaming and not load.local_queued
     threads = prefill.threads + (decode.threads if borrows else 0)
     cost = prefill.cost(threads) or decode.cost(threads)  # one machine: one fitted file
     if cost is None:

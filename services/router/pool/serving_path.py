@@ -140,12 +140,11 @@ class ServingPaths:
             if local is not None and remote is not None:
                 calibration = calibration or PathCalibration()
                 predicted = {"local": local, "remote": remote}
-                streaming = load.decode_rows > 0
-                scales = {p: calibration.scale(p, streaming) for p in PATHS}
+                scales = {p: calibration.scale(p, load.streaming) for p in PATHS}
                 local, remote = local * scales["local"], remote * scales["remote"]
                 objective_ms = ttft_ms if ttft_ms is not None else self.slo_ttft_ms
                 if objective_ms is not None:
-                    upper = {p: calibration.upper(p, streaming) for p in PATHS}
+                    upper = {p: calibration.upper(p, load.streaming) for p in PATHS}
                     meets = [p for p in PATHS if predicted[p] * upper[p] * 1000 <= objective_ms]
                     if meets:
                         return _within_objective(
@@ -153,7 +152,7 @@ class ServingPaths:
                         )
                 path = "local" if local <= remote else "remote"
                 return PathChoice(
-                    path, "predicted", local, remote, scale=scales[path], streaming=streaming
+                    path, "predicted", local, remote, scale=scales[path], streaming=load.streaming
                 )
         if limit is None:
             limit = LENDING_LOCAL_PREFILL_TOKENS if lends else 0
@@ -172,5 +171,5 @@ def _within_objective(
     return PathChoice(
         path, "objective", local, remote, scale=scales[path],
         local_delay_s=delays["local"], remote_delay_s=delays["remote"],
-        streaming=load.decode_rows > 0,
+        streaming=load.streaming,
     )  # fmt: skip
