@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.kernels import load_paged_attention
+from services.engine.kernels import load_cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def pin_thread_team(cpu_ids: Sequence[int]) -> list[int] | None:
     if not cpus or len(set(cpus)) != len(cpus) or not set(cpus) <= allowed:
         raise ValueError(f"cpus: need distinct CPUs of {sorted(allowed)}, got {cpus}")
     set_thread_threads(len(cpus))
-    kernels = load_paged_attention()
+    kernels = load_cpu_kernels()
     if kernels is None:
         return None
     return list(kernels.pin_omp_threads(cpus))

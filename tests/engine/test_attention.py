@@ -11,9 +11,9 @@ from services.engine.attention import (
     TorchSDPABackend,
     get_attention_backend,
 )
-from services.engine.kernels import load_paged_attention
+from services.engine.kernels import load_cpu_kernels
 
-needs_kernel = pytest.mark.skipif(load_paged_attention() is None, reason="no C++ toolchain here")
+needs_kernel = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C++ toolchain here")
 
 
 def _case(dtype, num_heads, num_kv_heads, block_size, context_lens, head_dim=64, seed=0):
@@ -71,7 +71,7 @@ def test_kernel_matches_dense_attention(dtype, num_heads, num_kv_heads, block_si
         dtype, num_heads, num_kv_heads, block_size, context_lens
     )
     out = torch.empty_like(q)
-    load_paged_attention().paged_decode_attention(
+    load_cpu_kernels().paged_decode_attention(
         out,
         q,
         k_cache,
@@ -94,7 +94,7 @@ def test_kernel_handles_every_head_dim(head_dim):
         torch.float32, 6, 2, 16, context_lens, head_dim=head_dim
     )
     out = torch.empty_like(q)
-    load_paged_attention().paged_decode_attention(
+    load_cpu_kernels().paged_decode_attention(
         out,
         q,
         k_cache,
@@ -127,10 +127,10 @@ def test_backend_choice(monkeypatch):
         get_attention_backend("flash", "cpu")
     with pytest.raises(ValueError, match="attention_backend"):
         get_attention_backend("cpu_paged", "cuda")
-    if load_paged_attention() is not None:
+    if load_cpu_kernels() is not None:
         assert isinstance(get_attention_backend("auto", "cpu"), CPUPagedBackend)
     # Without a toolchain "auto" falls back to the torch path rather than failing.
-    monkeypatch.setattr("services.engine.kernels.load_paged_attention", lambda: None)
+    monkeypatch.setattr("services.engine.kernels.load_cpu_kernels", lambda: None)
     backend = get_attention_backend("auto", "cpu")
     assert type(backend) is TorchSDPABackend
 
@@ -154,7 +154,7 @@ def test_a_stale_build_lock_is_cleared(tmp_path):
 @needs_kernel
 def test_kernel_refuses_out_of_range_inputs():
     q, k_cache, v_cache, tables, _ = _case(torch.float32, 4, 2, 16, [5])
-    kernel = load_paged_attention().paged_decode_attention
+    kernel = load_cpu_kernels().paged_decode_attention
     out = torch.empty_like(q)
     with pytest.raises(RuntimeError, match="block id"):
         kernel(out, q, k_cache, v_cache, torch.tensor([[k_cache.shape[0]]]), torch.tensor([5]), 0.1)

@@ -15,9 +15,9 @@ class CPUPagedBackend(TorchSDPABackend):
     name = "cpu_paged"
 
     def __init__(self) -> None:
-        from services.engine.kernels import load_paged_attention
+        from services.engine.kernels import load_cpu_kernels
 
-        self.kernel = load_paged_attention()
+        self.kernel = load_cpu_kernels()
         if self.kernel is None:
             raise ValueError(
                 "attention_backend: 'cpu_paged' needs the C++ kernel, which could not be built here"

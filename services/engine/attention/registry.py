@@ -26,9 +26,9 @@ def resolve_backend_name(name: str, device: str, block_size: int) -> str:
     if name != "auto":
         return name
     if device == "cpu":
-        from services.engine.kernels import load_paged_attention
+        from services.engine.kernels import load_cpu_kernels
 
-        return "cpu_paged" if load_paged_attention() is not None else "torch_sdpa"
+        return "cpu_paged" if load_cpu_kernels() is not None else "torch_sdpa"
     from services.engine.attention.flash import FLASH_BLOCK_MULTIPLE, flash_attn_version
 
     if flash_attn_version() is not None and block_size % FLASH_BLOCK_MULTIPLE == 0:

@@ -207,6 +207,8 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
   }
 }
 
+}  // namespace
+
 // out, q: [num_decodes, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
 // num_kv_heads, head_dim]; block_tables: [num_decodes, max_blocks] int64; context_lens:
 // [num_decodes] int64 (including the new token). All contiguous, on the CPU, one dtype.
@@ -245,11 +247,3 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   });
 }
 
-}  // namespace
-
-std::vector<int64_t> pin_omp_threads(const std::vector<int64_t>& cpu_ids);  // threads.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
-  m.def("pin_omp_threads", &pin_omp_threads, "Pin the caller's OpenMP team, member i to CPU i");
-}

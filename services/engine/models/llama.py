@@ -1,10 +1,11 @@
 """Llama-family forward pass (llama, qwen2, mistral) over the paged KV cache.
 
 The weights, norms, activation and rotary embedding are transformers' own, so the numerics match
-the Hugging Face reference; attention is ours (it reads and writes `KVCache`, never transformers'
-DynamicCache). As in vLLM's model files (QKVParallelLinear, MergedColumnParallelLinear), q/k/v and
-gate/up are fused into one matmul each at load time: a decode step is a few small matmuls per
-layer, and every matmul call saved is overhead saved.
+the Hugging Face reference (on the CPU the elementwise ops between the matmuls run fused, rounding
+where transformers does: `layer_ops`); attention is ours (it reads and writes `KVCache`, never
+transformers' DynamicCache). As in vLLM's model files (QKVParallelLinear,
+MergedColumnParallelLinear), q/k/v and gate/up are fused into one matmul each at load time: a
+decode step is a few small matmuls per layer, and every matmul call saved is overhead saved.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import rotate_half
 
 from services.engine.attention import AttentionBackend, AttentionMetadata
 from services.engine.kv_cache import KVCache, KVCacheSpec
+from services.engine.models.layer_ops import LayerOps
 from services.engine.models.packed_linear import pack_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -77,6 +78,7 @@ class PagedLlamaForCausalLM(nn.Module):
             hf_model.lm_head
         )  # a packed copy: embed_tokens keeps the tied weight
         self.attention = attention
+        self.ops = LayerOps.for_model(hf_model, next(hf_model.parameters()).device)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -104,25 +106,29 @@ class PagedLlamaForCausalLM(nn.Module):
         """
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary_emb(hidden.unsqueeze(0), positions.unsqueeze(0))  # [1, T, head_dim]
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, head_dim]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
+        ops = self.ops
+        # The residual stream is carried beside the layer's output and added in each norm
+        # (vLLM's fused_add_rms_norm): residual + hidden, then the norm of that sum.
+        residual = hidden
         for layer_idx, layer in enumerate(cast("Iterable[FusedDecoderLayer]", self.layers)):
-            residual = hidden
-            hidden = layer.input_layernorm(hidden)
+            if layer_idx == 0:
+                hidden = ops.rms_norm(hidden, layer.input_layernorm)
+            else:
+                hidden, residual = ops.add_rms_norm(hidden, residual, layer.input_layernorm)
             hidden = self._attention(layer, hidden, cos, sin, kv_cache, layer_idx, meta)
-            hidden = residual + hidden
-            residual = hidden
-            gate, up = layer.gate_up_proj(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-            hidden = residual + layer.down_proj(layer.act_fn(gate) * up)
-        hidden = self.norm(hidden.index_select(0, logits_indices))
-        return self.lm_head(hidden).float()
+            hidden, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm)
+            hidden = layer.down_proj(ops.silu_and_mul(layer.gate_up_proj(hidden), layer.act_fn))
+        rows = hidden.index_select(0, logits_indices) + residual.index_select(0, logits_indices)
+        return self.lm_head(ops.rms_norm(rows, self.norm)).float()
 
     def _attention(self, layer, hidden, cos, sin, kv_cache, layer_idx, meta) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qk, v = layer.qkv_proj(hidden).split(self.qk_v_sizes, dim=-1)
         # Rotary on q and k in one pass (transformers' formula, so the same numbers), in the
-        # [T, heads, head_dim] layout: cos, sin [T, 1, head_dim] broadcast over heads.
+        # [T, heads, head_dim] layout: cos, sin [T, head_dim] apply to every head.
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = qk * cos + rotate_half(qk) * sin
+        qk = self.ops.rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache.layer(layer_idx)
