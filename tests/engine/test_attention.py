@@ -8,6 +8,7 @@ import torch
 from services.engine.attention import (
     AttentionMetadata,
     CPUPagedBackend,
+    PrefillSeq,
     TorchSDPABackend,
     get_attention_backend,
 )
@@ -170,3 +171,24 @@ def test_kernel_refuses_out_of_range_inputs():
             torch.tensor([5]),
             0.1,
         )
+
+
+def test_fresh_prompts_apart_in_the_batch_are_gathered_by_index():
+    """Two fresh 4-token prompts with a cached prompt's 4-token chunk between them: one group,
+    its rows by index (a slice only where the group sits back to back)."""
+    table = torch.tensor([0, 1])
+    prefills = (
+        PrefillSeq(query_start=0, query_len=4, context_len=4, block_table=table),
+        PrefillSeq(query_start=4, query_len=4, context_len=10, block_table=table),
+        PrefillSeq(query_start=8, query_len=4, context_len=4, block_table=table),
+    )
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(12),
+        prefills=prefills,
+        num_prefill_tokens=12,
+        decode_block_tables=torch.empty(0, 1, dtype=torch.long),
+        decode_context_lens=torch.empty(0, dtype=torch.long),
+        block_size=8,
+    )
+    ((rows, num_seqs),) = meta.fresh_prefill_groups
+    assert num_seqs == 2 and rows.tolist() == [0, 1, 2, 3, 8, 9, 10, 11]

@@ -133,10 +133,11 @@ def test_a_step_orders_prompt_chunks_by_length_after_fcfs_admission(tiny_llama):
     outs, steps = run_to_completion(engine, requests)
     assert steps[0] == {"r0": 5, "r1": 20, "r2": 12, "r3": 20}
     assert [p.query_len for p in seen[0].prefills] == [20, 20, 12, 5]
-    assert [(rows.numel(), n) for rows, n in seen[0].fresh_prefill_groups] == [
-        (40, 2),
-        (12, 1),
-        (5, 1),
+    # Back to back in the batch, each group is a slice: views of q, k, v, no gather.
+    assert list(seen[0].fresh_prefill_groups) == [
+        (slice(0, 40), 2),
+        (slice(40, 52), 1),
+        (slice(52, 57), 1),
     ]
     reference, _ = run_to_completion(make_engine(tiny_llama, num_blocks=256), requests)
     assert outs == reference
