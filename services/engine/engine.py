@@ -76,7 +76,6 @@ class Engine:
             model_id=self.model_id if config.enable_prefix_caching else None,
             record_events=config.enable_kv_events,
             allocate=functools.partial(self.kv_sender.allocate_kv, config.engine_id),
-            zero_new_blocks=self.model.attention.reads_unwritten_slots,
         )
         self.kv_receiver = kv_receiver or InMemoryKVReceiver(self.kv_sender)
         self.scheduler = Scheduler(config, self.kv_cache)

@@ -79,14 +79,10 @@ class KVCache:
         model_id: str | None = None,
         record_events: bool = False,
         allocate: Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor] | None = None,
-        zero_new_blocks: bool = True,
     ) -> None:
         """`allocate(shape, dtype, device)` makes the zero-filled K/V tensor (default
-        `zeroed_kv`; a shared-memory KV sender puts it in a segment decode workers map).
-        `zero_new_blocks`: zero each block `allocate_slots` hands out, for attention backends
-        that read unwritten slots (`AttentionBackend.reads_unwritten_slots`)."""
+        `zeroed_kv`; a shared-memory KV sender puts it in a segment decode workers map)."""
         self.spec = spec
-        self.zero_new_blocks = zero_new_blocks
         self.num_blocks = num_blocks
         self.model_id = model_id
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
@@ -151,7 +147,7 @@ class KVCache:
             request.block_table.extend(cached_blocks)
             request.num_hashed_blocks = len(cached_blocks)  # they hold their hashes already
         block_ids = self.pool.allocate(needed)
-        if block_ids and self.zero_new_blocks:
+        if block_ids:
             # Zero new blocks: slots a request has not written yet then hold finite values, which
             # decode attention masks without a copy (see attention._decode_attention).
             index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)

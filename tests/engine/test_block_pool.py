@@ -97,18 +97,6 @@ def test_slot_mapping_and_block_growth():
     assert cache.pool.num_free_blocks == 10 and request.block_table == []
 
 
-@pytest.mark.parametrize("zero_new_blocks", [True, False])
-def test_new_blocks_are_zeroed_only_for_backends_that_read_unwritten_slots(zero_new_blocks):
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=2, dtype=torch.float32)
-    cache = KVCache(spec, num_blocks=4, device="cpu", zero_new_blocks=zero_new_blocks)
-    cache.kv.fill_(float("nan"))
-    request = Request("r", list(range(3)), SamplingParams(max_tokens=2), seed=0)
-    assert cache.allocate_slots(request, 3)
-    blocks = cache.kv[:, :, request.block_table]
-    assert (torch.equal(blocks, torch.zeros_like(blocks))) == zero_new_blocks
-    assert blocks.isnan().all() != zero_new_blocks
-
-
 def test_read_write_blocks_roundtrip():
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=2, dtype=torch.float32)
     cache = KVCache(spec, num_blocks=6, device="cpu")

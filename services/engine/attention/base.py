@@ -16,9 +16,6 @@ class AttentionBackend(ABC):
     # Launches no host sync and takes fixed-shape inputs given a seeded `meta.varlen` and
     # slot_mapping entries of -1 for padding, so a CUDA graph can capture it (cuda_graphs.py).
     cuda_graph_safe: bool = False
-    # Reads cache positions past a request's context (masked out), so those must hold finite
-    # values: the KV cache then zeroes every block it hands out (`KVCache.zero_new_blocks`).
-    reads_unwritten_slots: bool = True
 
     @abstractmethod
     def forward(

@@ -13,10 +13,6 @@ class CPUPagedBackend(TorchSDPABackend):
     layer; prefill chunks go through torch SDPA as in `TorchSDPABackend`."""
 
     name = "cpu_paged"
-    # The kernel reads a request's positions up to its context length, and prefill chunks
-    # gather only those (`sdpa._gather`): a new block needs no zeroing (2.5% of a 256-token
-    # bfloat16 prefill on a 2-core AMX Xeon).
-    reads_unwritten_slots = False
 
     def __init__(self) -> None:
         from services.engine.kernels import load_cpu_kernels
