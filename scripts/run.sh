@@ -26,15 +26,15 @@ fi
 . .venv/bin/activate
 
 # Outside the cluster's start timeout, on every CPU (a worker is pinned to its own).
-say "preparing the default model and the CPU attention kernel (the first time: about 15 s to convert the model, 30 s to compile the kernel)"
+say "preparing the default model and the CPU kernels (the first time: about 15 s to convert the model, 50 s to compile the kernels)"
 python - <<'PY'
 from services.engine.config import DEFAULT_MODEL
 from services.engine.loader import resolve_model
 
 resolve_model(DEFAULT_MODEL)  # before torch is imported: converts in a quiet child, says so
-from services.engine.kernels import load_paged_attention  # noqa: E402 - imports torch
+from services.engine.kernels import load_cpu_kernels  # noqa: E402 - imports torch
 
-load_paged_attention()  # says so when it compiles, and why when it cannot
+load_cpu_kernels()  # says so when it compiles, and why when it cannot
 PY
 
 log_dir="${PDSERVE_CACHE_DIR:-$HOME/.cache/pdserve}/logs"
