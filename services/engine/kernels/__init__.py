@@ -27,6 +27,7 @@ _SOURCES = [
     Path(__file__).with_name(n)
     for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "threads.cpp")
 ]
+_HEADERS = [Path(__file__).with_name("exp_math.h")]  # part of the build's cache key
 # -fopenmp: at::parallel_for is a header template that expands to `omp parallel` in this file,
 # and the `omp simd` pragmas vectorise the float reductions. The runtime it links, libgomp.so.1,
 # is the one torch has already loaded (same soname), so both share one thread pool.
@@ -43,7 +44,7 @@ def _cpu_flags() -> str:
 def _build_dir() -> Path:
     key = hashlib.sha256()
     for part in (
-        *(source.read_bytes() for source in _SOURCES),
+        *(source.read_bytes() for source in (*_SOURCES, *_HEADERS)),
         torch.__version__.encode(),
         torch.__file__.encode(),  # each environment's own headers and libraries: its own build
         sys.version.encode(),

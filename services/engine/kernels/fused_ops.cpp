@@ -17,6 +17,8 @@
 #include <torch/extension.h>
 #include <omp.h>
 
+#include "exp_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -61,25 +63,8 @@ inline float round_as<uint16_t>(float x) {
   return out;
 }
 
-// exp(x) for x <= 0, in plain float arithmetic the compiler vectorises: the Cephes expf of
-// paged_attention.cpp's softmax_exp, and 0 below -87 (where exp(x) nears the subnormals).
-inline float exp_nonpositive(float x) {
-  const bool underflow = x < -87.f;
-  x = std::max(x, -87.f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return underflow ? 0.f : y * scale;
-}
+// exp(x) for x <= 0, and 0 below -87 (where exp(x) nears the subnormals).
+inline float exp_nonpositive(float x) { return x < -87.f ? 0.f : exp_clamped(x); }
 
 // silu(g) = g / (1 + exp(-g)), through e = exp(-|g|) so that no lane ever computes a subnormal:
 // GCC evaluates both sides of a clamp in vector code, and x / (1 + exp(88)) for an ordinary x is

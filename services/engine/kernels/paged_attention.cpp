@@ -11,6 +11,8 @@
 #include <torch/extension.h>
 #include <omp.h>
 
+#include "exp_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -45,25 +47,8 @@ inline void prefetch_block(const scalar_t* ptr, int64_t num_elements) {
   }
 }
 
-// exp(x) for the softmax's x <= 0, in plain float arithmetic the compiler vectorises (glibc's
-// vector expf needs -ffast-math). Cephes expf: x = n ln2 + r with ln2 split in two for
-// precision, exp(r) by a degree-7 polynomial, 2^n through the exponent bits; about 1 ulp.
-inline float softmax_exp(float x) {
-  x = std::max(x, -87.f);  // exp(-87) ~ 1.6e-38: smaller terms vanish next to the max's 1
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
+// The softmax's x <= 0: smaller terms than exp(-87) vanish next to the max's 1.
+inline float softmax_exp(float x) { return exp_clamped(x); }
 
 // q . k over head_dim. Lane-wise partial sums, then a halving tree: both vectorise, where a
 // plain reduction loop ends in one scalar add per lane (measured 3x slower).
