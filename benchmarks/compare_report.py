@@ -249,6 +249,9 @@ def main(argv: list[str]) -> int:
     print(
         f"Machine: {m['cpu_model']}, {m['cpus']} CPUs; load average at the end {m['load_average']}."
     )
+    if "runs" not in data:  # compare_serving.py --interference-only
+        print(f"\n**Interference.**\n\n{interference_table(data)}")
+        return 0
     for title, table in (
         ("The sweep (first repeat)", sweep_table(data)),
         ("Goodput (TTFT ≤ 500 ms and TPOT ≤ 50 ms for ≥ 90% of requests)", goodput_table(data)),

@@ -193,6 +193,11 @@ def main() -> int:
     )
     parser.add_argument("--warmup", type=int, default=48, help="discarded burst per server")
     parser.add_argument("--interference-s", type=float, default=66.0)
+    parser.add_argument(
+        "--interference-only",
+        action="store_true",
+        help="run only the interference diagnostic on --systems (no rate sweep)",
+    )
     parser.add_argument("--systems", default="vllm,pdserve,pdserve-colocated")
     parser.add_argument(
         "--vllm-venv", default=str(Path.home() / ".cache" / "pdserve" / "vllm-venv")
@@ -223,6 +228,12 @@ def main() -> int:
         default=[256, 512, 2048],
         help="vLLM --max-num-batched-tokens tried in the pre-pass (one value: no pre-pass)",
     )
+    suite.add_argument(
+        "--step-logs",
+        type=Path,
+        default=None,
+        help="a folder for pdserve's engine step logs (the cost model's live check)",
+    )
     args = parser.parse_args()
     args.dtype = bench_dtype(args.dtype)
     if args.workload:
@@ -241,7 +252,11 @@ def main() -> int:
         args.bisect = 1
         args.interference_s = 12.0
     rates = [float(r) for r in args.rates.split(",")]
-    systems = start_systems(args.systems.split(","), Path(args.vllm_venv), args.dtype)
+    systems = start_systems(
+        args.systems.split(","), Path(args.vllm_venv), args.dtype, args.step_logs
+    )
+    if args.interference_only:
+        return _interference_only(systems, args)
     try:
         asyncio.run(_warm(systems, args))
         runs = [asyncio.run(_run_points(systems, {s.name: rates for s in systems}, args, 0))]
@@ -264,6 +279,26 @@ def main() -> int:
         cdf_at=1.0,
     )
     print(json.dumps({"goodput": data["goodput"]}, indent=1))
+    print(f"tables: python benchmarks/compare_report.py {args.json}")
+    return 0
+
+
+def _interference_only(systems: list[System], args: argparse.Namespace) -> int:
+    """The interference diagnostic alone, each system in turn after its warm-up; its JSON goes to
+    `args.json` (the same "interference" key as a full run's)."""
+    try:
+        asyncio.run(_warm(systems, args))
+        inter = {}
+        for s in systems:
+            inter[s.name] = asyncio.run(
+                interference(s.url, s.model, s.tokenizer, args.interference_s)
+            )
+            print(s.name, json.dumps(inter[s.name]), flush=True)
+    finally:
+        stop_systems(systems)
+    data = {"config": vars(args), "machine": machine(), "interference": inter}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(data, indent=1, default=str) + "\n")
     print(f"tables: python benchmarks/compare_report.py {args.json}")
     return 0
 

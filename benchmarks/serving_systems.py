@@ -136,7 +136,12 @@ def bench_dtype(asked: str) -> str:
     return "bfloat16" if native_bf16() else "float32"
 
 
-def start_systems(names: list[str], vllm_venv: Path, dtype: str) -> list[System]:
+def start_systems(
+    names: list[str], vllm_venv: Path, dtype: str, step_logs: Path | None = None
+) -> list[System]:
+    """The systems `names` (vLLM and `PDSERVE_MODES`), started in order and stopped again if one
+    fails. `step_logs`: a folder where each pdserve system's workers log their engine steps
+    (`<name>-prefill.jsonl`, `<name>-decode.jsonl`; `pdserve profile --check` scores them)."""
     from services.engine.loader import resolve_model
     from services.engine.tokenizer import Tokenizer
 
@@ -152,7 +157,12 @@ def start_systems(names: list[str], vllm_venv: Path, dtype: str) -> list[System]
                 launch["dtype"] = dtype
                 systems.append(System(name, url, process, tokenizer, info=launch))
             else:
-                url, process, info = start_pdserve(PDSERVE_MODES[name], dtype)
+                flags = list(PDSERVE_MODES[name])
+                if step_logs is not None:
+                    step_logs.mkdir(parents=True, exist_ok=True)
+                    for role in ("prefill", "decode"):
+                        flags += [f"--{role}-step-log", str(step_logs / f"{name}-{role}.jsonl")]
+                url, process, info = start_pdserve(flags, dtype)
                 systems.append(System(name, url, process, tokenizer, info=info))
     except BaseException:
         stop_systems(systems)

@@ -260,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         sorted({r.system for r in rows}, key=lambda n: n != "vllm"),
         Path(args.vllm_venv),
         args.dtype,
+        args.step_logs,
     )
     data: dict[str, Any] = {"workload": dataclasses.asdict(workload), "config": vars(args)}
     data["machine"] = machine()
