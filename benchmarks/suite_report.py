@@ -20,6 +20,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.workloads import SUITE  # noqa: E402
+from services.bench.stats import RequestResult, point_stats  # noqa: E402
 from services.bench.sweep import goodput  # noqa: E402
 
 TARGETS = {"W1": 1.0, "W2": 1.5, "W3": 2.0, "W4": 1.1}  # pdserve / vLLM goodput
@@ -52,6 +54,33 @@ def verdict(values: list[float | None], target: float) -> str:
     return (
         "met" if met else "missed"
     ) + f" (median {statistics.median(known):.2f}, worst {min(known):.2f})"
+
+
+def rescored(data: dict[str, Any], workload: str) -> dict[str, Any]:
+    """The sitting `data` scored by another workload's objectives on the same requests (W3 on a
+    W2 sitting: its mix, plus the gap objective): every point's attainment again from its
+    per-request results, with the sitting's own T0 and P0. The rates stay the sitting's, so the
+    goodput found is the highest of them that passes, and "< x" where none does. ValueError when
+    the prompt mixes differ or a point kept no per-request data."""
+    name = data["config"]["workload"]
+    if SUITE[name].lengths != SUITE[workload].lengths:
+        raise ValueError(f"workload: {workload} does not share {name}'s requests")
+    t0 = {int(n): s for n, s in data["t0_s"].items()}
+    slo = SUITE[workload].objectives(t0, data["p0_s"])
+    runs = []
+    for run in data["runs"]:
+        rows = {}
+        for row, points in run.items():
+            rows[row] = []
+            for p in points:
+                if "requests" not in p:
+                    raise ValueError(f"runs: a point of {row} kept no per-request data")
+                results = [RequestResult(**r) for r in p["requests"]]
+                stats = point_stats(results, p["request_rate"], slo)
+                rows[row].append({**p, "attainment": stats.attainment})
+        runs.append(rows)
+    config = {**data["config"], "workload": workload, "rescored_from": name}
+    return {**data, "config": config, "runs": runs}
 
 
 def knee_latencies(data: dict[str, Any]) -> str:
@@ -103,4 +132,8 @@ def report(data: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    print(report(json.loads(Path(sys.argv[1]).read_text())))
+    # suite_report.py SITTING.json [--as W3]: the sitting, or rescored by another workload
+    sitting = json.loads(Path(sys.argv[1]).read_text())
+    if len(sys.argv) == 4 and sys.argv[2] == "--as":
+        sitting = rescored(sitting, sys.argv[3])
+    print(report(sitting))

@@ -110,3 +110,24 @@ def test_paired_repeats_rerun_the_knee_and_the_targets_need_the_worst_repeat_too
     assert verdict([1.2, 0.95, 1.1], 1.0).startswith("met")
     assert verdict([1.2, 0.85, 1.1], 1.0).startswith("missed")  # the worst below 0.9x
     assert verdict([0.98, 0.97, 1.1], 1.0).startswith("missed")  # the median below
+
+
+def test_a_w2_sitting_rescored_as_w3_applies_the_gap_objective_to_the_same_requests():
+    from benchmarks.suite_report import rescored
+
+    def request(stalls: int) -> dict:  # 20 tokens: 19 gaps of 20 ms, `stalls` of them 200 ms
+        gaps = [0.2] * stalls + [0.02] * (19 - stalls)
+        return {"ok": True, "prompt_len": 256, "output_len": 20, "output_tokens": 20,
+                "ttft": 0.1, "e2e": 0.1 + sum(gaps), "itl": gaps}  # fmt: skip
+
+    point = {"request_rate": 1.0, "attainment": 1.0, "requests": [request(n) for n in (0, 1, 2)]}
+    data = {"config": {"workload": "W2"}, "t0_s": {"256": 0.2, "2048": 2.0}, "p0_s": 0.03,
+            "runs": [{"pdserve": [point]}]}  # fmt: skip
+    # P0 30 ms: mean TPOT <= 45 ms holds for all three (at most 39 ms); W3's second-largest gap
+    # <= 90 ms forgives one stall, not two
+    assert rescored(data, "W2")["runs"][0]["pdserve"][0]["attainment"] == pytest.approx(1.0)
+    w3 = rescored(data, "W3")
+    assert w3["config"]["workload"] == "W3" and w3["config"]["rescored_from"] == "W2"
+    assert w3["runs"][0]["pdserve"][0]["attainment"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="W1"):
+        rescored(data, "W1")
