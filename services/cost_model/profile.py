@@ -42,11 +42,11 @@ _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 @dataclass(frozen=True)
 class Grid:
     """The probes of one sweep: prefill chunks (tokens, cached), decode batches (rows,
-    context) and mixed steps (rows, context, chunk tokens)."""
+    context) and mixed steps (rows, context, chunk tokens, chunk's cached tokens)."""
 
     prefill: tuple[tuple[int, int], ...]
     decode: tuple[tuple[int, int], ...]
-    mixed: tuple[tuple[int, int, int], ...]
+    mixed: tuple[tuple[int, int, int, int], ...]
     repeats: int
 
     def shapes(self, max_model_len: int) -> list[StepShape]:
@@ -56,9 +56,9 @@ class Grid:
             StepShape(decode_contexts=(ctx,) * b) for b, ctx in self.decode if ctx <= max_model_len
         ]
         shapes += [
-            StepShape(chunks=((n, 0),), decode_contexts=(ctx,) * b)
-            for b, ctx, n in self.mixed
-            if max(ctx, n) <= max_model_len
+            StepShape(chunks=((n, cached),), decode_contexts=(ctx,) * b)
+            for b, ctx, n, cached in self.mixed
+            if max(ctx, n + cached) <= max_model_len
         ]
         return shapes
 
@@ -68,7 +68,7 @@ class Grid:
 QUICK = Grid(
     prefill=((16, 0), (128, 0), (512, 0), (32, 1024), (256, 512)),
     decode=((1, 128), (1, 2048), (4, 1024), (16, 256), (16, 1024)),
-    mixed=((4, 512, 64), (8, 256, 128)),
+    mixed=((4, 512, 64, 0), (8, 256, 128, 0), (4, 1024, 64, 1024)),
     repeats=2,
 )
 FULL = Grid(
@@ -76,7 +76,16 @@ FULL = Grid(
         (n, c) for n in (16, 64, 128, 256, 512, 1024, 2048) for c in (0, 256, 1024) if n + c <= 3072
     ),
     decode=tuple((b, ctx) for b in (1, 2, 4, 8, 16, 32, 64) for ctx in (64, 256, 1024, 2048)),
-    mixed=((2, 1024, 256), (4, 512, 64), (8, 256, 128), (16, 512, 512), (32, 256, 32)),
+    mixed=(
+        (2, 1024, 256, 0),
+        (4, 512, 64, 0),
+        (8, 256, 128, 0),
+        (16, 512, 512, 0),
+        (32, 256, 32, 0),
+        (4, 1024, 64, 1536),
+        (4, 256, 160, 1024),
+        (8, 512, 32, 2048),
+    ),  # fmt: skip
     repeats=3,
 )
 

@@ -6,6 +6,7 @@ context. A step of a chunked, continuously batched engine mixes both, so one mod
 step here (seconds):
 
     t = a + b * prefill_tokens + c * attention + d * context + e * num_decodes + f * has_chunk
+        + g * chunk_cached
 
 - prefill_tokens: the prefill chunks' tokens (their share of the weight matmuls).
 - attention: the sum over prefill chunks of l * (cached + l), the chunk's queries times the keys
@@ -18,6 +19,11 @@ step here (seconds):
 - has_chunk: 1 when the step runs a prefill chunk. A decode-only step is bound by reading the
   weights once, a step with a chunk by its matmuls: with one intercept for both, a fit over
   both kinds misses short decode steps by ~10% (measured on SmolLM2-135M, 2 threads).
+- chunk_cached: the sum over prefill chunks of their cached tokens. A chunk after a cached
+  prefix reads (on the CPU, gathers) that prefix's K/V in every layer whatever its own length,
+  so a short chunk late in a long prompt costs more than `attention` says: without this term a
+  64-token chunk after 1,536 cached tokens took 1.19x its prediction on one thread and the live
+  chunks of 2,048-token prompts beside streams 1.2-1.3x (docs/benchmarks.md, 2026-12-07).
 
 Decode rows and prefill tokens get separate terms, not one "tokens" term: in a decode-only step
 the two would be the same column, and profiles are mostly decode-only or prefill-only steps.
@@ -39,6 +45,7 @@ FEATURES = (
     "context_per_thread",
     "num_decodes",
     "has_chunk",
+    "chunk_cached",
 )
 
 
@@ -64,7 +71,8 @@ class StepShape:
         attention = sum(n * (cached + n) for n, cached in self.chunks)
         rows = len(self.decode_contexts)
         context = sum(self.decode_contexts) / min(rows, threads) if rows else 0.0
-        return (1.0, prefill_tokens, attention, context, rows, float(bool(self.chunks)))
+        cached = sum(c for _, c in self.chunks)
+        return (1.0, prefill_tokens, attention, context, rows, float(bool(self.chunks)), cached)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from services.cost_model.step_cost import FEATURES, StepCost
 from services.cpu import cpu_info
 from services.env import cache_dir
 
-FORMAT = 2  # 2: context per thread (step_cost.FEATURES)
+FORMAT = 3  # 2: context per thread; 3: a chunk's cached tokens (step_cost.FEATURES)
 
 
 @functools.cache  # the CPU does not change under a running process

@@ -45,7 +45,7 @@ def test_points_hold_150_requests_or_3_minutes():
 def test_the_knee_is_predicted_from_the_step_costs_and_the_ttft_headroom():
     # 1 ms per prefill token and 10 ms per decode step of 8 rows: a 256/64 request costs
     # 0.256 + 64 * 0.010 / 8 = 0.336 s of engine time
-    cost = StepCost(2, (0.0, 1e-3, 0.0, 0.0, 0.010 / 8, 0.0))
+    cost = StepCost(2, (0.0, 1e-3, 0.0, 0.0, 0.010 / 8, 0.0, 0.0))
     slo = SUITE["W1"].objectives({256: 0.256}, 0.03)  # TTFT <= 512 ms: 256 ms of headroom
     rho = 0.256 / (0.256 + 2.3 * 0.256 / 2)
     assert predicted_knee(SUITE["W1"], cost, slo, {256: 0.256}) == pytest.approx(rho / 0.336)

@@ -17,7 +17,7 @@ from tests.engine.helpers import make_engine
 SMALL = profile.Grid(
     prefill=((8, 0), (32, 0), (16, 64)),
     decode=((1, 16), (4, 64), (8, 32)),
-    mixed=((2, 32, 16),),
+    mixed=((2, 32, 16, 0), (2, 32, 8, 32)),
     repeats=1,
 )
 
@@ -30,7 +30,7 @@ def test_the_sweep_times_each_shape_and_fits_every_thread_count(tiny_llama):
     for result in results:
         assert [p.shape for p in result.probes] == SMALL.shapes(engine.scheduler.max_model_len)
         assert all(p.seconds > 0 for p in result.probes)
-        assert len(result.errors()) == len(SMALL.shapes(10_000)) == 7
+        assert len(result.errors()) == len(SMALL.shapes(10_000)) == 8
     assert torch.get_num_threads() == before  # left as found
     assert engine.kv_cache.pool.num_free_blocks == free  # every borrowed block back
 
@@ -42,7 +42,9 @@ def test_shapes_longer_than_the_model_are_left_out():
         StepShape(decode_contexts=(16,)),
         StepShape(decode_contexts=(32,) * 8),
         StepShape(chunks=((16, 0),), decode_contexts=(32, 32)),
+        StepShape(chunks=((8, 32),), decode_contexts=(32, 32)),  # the chunk ends at 40
     ]
+    assert StepShape(chunks=((8, 32),), decode_contexts=(32, 32)) not in SMALL.shapes(39)
 
 
 def test_thread_counts_are_checked_against_the_cpus():
@@ -63,7 +65,7 @@ def test_the_command_saves_the_model_and_checks_it_on_a_step_log(
         == 0
     )
     printed = capsys.readouterr().out
-    assert "1 thread(s): 7 shapes, fit |error| median" in printed and "saved: " in printed
+    assert "1 thread(s): 8 shapes, fit |error| median" in printed and "saved: " in printed
     body = json.loads(out.read_text())
     saved = tmp_path / "cost_models" / body["saved"].rpartition("/")[2]
     assert saved.exists() and [t["threads"] for t in body["threads"]] == [1]

@@ -9,8 +9,8 @@ import pytest
 from services.cost_model.step_cost import StepCost, StepShape, fit
 
 # Seconds per unit: a 135M-model-like CPU engine (2 ms fixed, 0.4 ms a token, attention and
-# context small, 0.1 ms a decode row).
-KNOWN = (2e-3, 4e-4, 2e-8, 3e-7, 1e-4, 5e-3)
+# context small, 0.1 ms a decode row, 2 us a cached token a chunk reads).
+KNOWN = (2e-3, 4e-4, 2e-8, 3e-7, 1e-4, 5e-3, 2e-6)
 
 
 def _steps(rng: random.Random, n: int) -> list[StepShape]:
@@ -27,10 +27,10 @@ def _steps(rng: random.Random, n: int) -> list[StepShape]:
 
 def test_features_of_a_mixed_step():
     shape = StepShape(chunks=((100, 0), (50, 200)), decode_contexts=(10, 30))
-    assert shape.features() == (1.0, 150, 100 * 100 + 50 * 250, 40, 2, 1.0)
+    assert shape.features() == (1.0, 150, 100 * 100 + 50 * 250, 40, 2, 1.0, 200)
     # decode rows read their context in parallel up to one row per thread
     assert shape.features(threads=2)[3] == 20 and shape.features(threads=8)[3] == 20
-    assert StepShape(decode_contexts=(64,)).features(threads=4)[3:] == (64, 1, 0.0)
+    assert StepShape(decode_contexts=(64,)).features(threads=4)[3:] == (64, 1, 0.0, 0)
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.02])

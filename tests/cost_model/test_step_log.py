@@ -34,7 +34,7 @@ def test_records_round_trip_and_a_bad_line_names_the_step_log(tmp_path):
 
 
 def test_errors_per_thread_count_and_kind():
-    cost = StepCost(2, (0.01, 0.001, 0.0, 0.0, 0.001, 0.0))
+    cost = StepCost(2, (0.01, 0.001, 0.0, 0.0, 0.001, 0.0, 0.0))
     records = [
         StepRecord(((1, 9),), 0.011 * 1.1, 2),  # decode: 10% slower than predicted
         StepRecord(((10, 0),), 0.02, 2),  # prefill: exact

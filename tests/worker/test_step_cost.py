@@ -13,7 +13,7 @@ from tests.engine.helpers import make_engine
 SMALL = profile.Grid(
     prefill=((8, 0), (32, 0), (16, 64)),
     decode=((1, 16), (4, 64), (8, 32)),
-    mixed=((2, 32, 16),),
+    mixed=((2, 32, 16, 0), (2, 32, 8, 32)),
     repeats=1,
 )
 
