@@ -76,11 +76,13 @@ class EngineConfig:
     """Most requests running in one step."""
     max_num_batched_tokens: int = 8192
     """Most tokens (prompt + decode) computed in one step; a longer prompt is chunked."""
-    slo_itl_ms: float = 250.0
+    slo_itl_ms: float | None = None
     """ITL objective (milliseconds) of a stream that brings none: a step that mixes prompt
     tokens into running decodes takes the largest chunk whose predicted time fits the tightest
     running stream's objective (needs the cost model of `pdserve profile`; without one only
-    --max-num-batched-tokens caps it)."""
+    --max-num-batched-tokens caps it). Default: 5x the predicted decode-only step of the rows
+    running (Sarathi-Serve's strict objective), so on any machine a prompt stretches the
+    streams' gaps to a few of their own steps at most."""
     slo_tpot_ms: float = 100.0
     """Mean-TPOT objective (milliseconds) of every stream: a stream's ITL allowance shrinks to
     the time left before its mean TPOT would pass this (never below it), so a prefill chunk only
@@ -164,6 +166,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {utilization!r}")
         for name in ("kv_transfer_timeout_s", "kv_lease_seconds", "slo_itl_ms", "slo_tpot_ms"):
             value = getattr(self, name)
+            if name == "slo_itl_ms" and value is None:  # relative to the decode step
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 unit = "milliseconds" if name.endswith("_ms") else "seconds"
                 raise ValueError(f"{name}: must be > 0 {unit}, got {value!r}")

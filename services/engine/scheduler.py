@@ -28,7 +28,7 @@ from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCache
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import SamplingRow, TokenLogprobs
-from services.engine.step_budget import StepBudget, allowed_step_s
+from services.engine.step_budget import StepBudget, allowed_step_s, default_itl_s
 from services.kv_transfer.handle import KVHandle
 
 
@@ -127,7 +127,8 @@ class Scheduler:
         """Prompt tokens this step may compute besides its decode rows (`step_budget.py`): the
         largest chunk whose predicted step time fits the tightest allowance (ITL objective,
         shortened to TPOT slack) among the running streams that decode this step; `cap` without
-        a cost model or decode rows."""
+        a cost model or decode rows. A stream without an ITL objective takes the engine's
+        `slo_itl_ms`, else `default_itl_s` of this step's decode rows."""
         if self.step_budget is None:  # no cost model: nothing to compute on the hot path
             self.last_prefill_budget = None
             return cap
@@ -138,9 +139,10 @@ class Scheduler:
         if not decodes:
             self.last_prefill_budget = None
             return cap
-        itl, tpot = self.config.slo_itl_ms / 1000, self.config.slo_tpot_ms / 1000
         contexts = [r.num_tokens for r in decodes]
         decode_s = self.step_budget.decode_step_s(contexts)
+        itl_ms, tpot = self.config.slo_itl_ms, self.config.slo_tpot_ms / 1000
+        itl = default_itl_s(decode_s) if itl_ms is None else itl_ms / 1000
         step_s = min(
             allowed_step_s(
                 itl if r.objectives.itl_s is None else r.objectives.itl_s,

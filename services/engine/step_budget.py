@@ -23,6 +23,21 @@ BORROWED_STEP_TOKENS = 256
 (`services/worker/core_lending.py`): the owner waits at most one such step for them."""
 
 
+ITL_DECODE_STEPS = 5.0
+"""The ITL objective of a stream that brings none, where the engine sets none either
+(`--slo-itl-ms`): this many times the predicted decode-only step of the rows running now.
+Sarathi-Serve (Agrawal et al., OSDI 2024) sets its strict P99 time-between-tokens objective at
+5x a decode iteration; an objective relative to the machine's own decode step keeps a prompt
+beside running streams from stretching their gaps beyond a few steps on any CPU or GPU, where
+a fixed 250 ms let 2,048-token prompts stretch them 5.8x (docs/benchmarks.md, 2026-12-07)."""
+
+
+def default_itl_s(decode_step_s: float) -> float:
+    """The ITL objective (seconds) of a stream without one when the engine sets none:
+    `ITL_DECODE_STEPS` x `decode_step_s`, the predicted decode-only step of the running rows."""
+    return ITL_DECODE_STEPS * decode_step_s
+
+
 TPOT_HORIZON_TOKENS = 16
 """How many of a stream's coming tokens may lend their projected TPOT slack to a step now, at
 least (a stream that has made more tokens than this counts as many coming as it has made, up

@@ -48,9 +48,11 @@ def settle_step_cost(engine: Engine, threads: int, mode: str = "auto") -> StepCo
             threads, key.model, key.path(),
         )  # fmt: skip
     else:
+        itl_ms = engine.config.slo_itl_ms
         logger.info(
             "cost model for %d thread(s): mixed steps keep the running streams' ITL objective "
-            "(default %g ms)", threads, engine.config.slo_itl_ms,
+            "(default %s)", threads,
+            f"{itl_ms:g} ms" if itl_ms is not None else "5x their predicted decode step",
         )  # fmt: skip
     engine.use_step_cost(cost)
     return cost

@@ -11,12 +11,18 @@ from services.cost_model.step_cost import StepCost
 from services.engine import SamplingParams
 from services.engine.errors import InvalidRequestError
 from services.engine.objectives import StreamObjectives
-from services.engine.step_budget import TPOT_HORIZON_TOKENS, StepBudget, allowed_step_s
+from services.engine.step_budget import (
+    ITL_DECODE_STEPS,
+    TPOT_HORIZON_TOKENS,
+    StepBudget,
+    allowed_step_s,
+    default_itl_s,
+)
 from tests.engine.helpers import GREEDY, make_engine
 from tests.reference import assert_equivalent, hf_greedy
 
 # 10 ms a step, 1 ms a prompt token, 1 ms a decode row; attention and context free.
-FAKE = StepCost(1, (0.010, 0.001, 0.0, 0.0, 0.001, 0.0))
+FAKE = StepCost(1, (0.010, 0.001, 0.0, 0.0, 0.001, 0.0, 0.0))
 
 
 @pytest.mark.parametrize(
@@ -34,7 +40,7 @@ def test_the_largest_chunk_that_fits(decodes, itl_s, cap, expected):
 
 
 def test_attention_over_cached_context_shrinks_the_chunk():
-    cost = StepCost(1, (0.010, 0.001, 1e-5, 0.0, 0.001, 0.0))
+    cost = StepCost(1, (0.010, 0.001, 1e-5, 0.0, 0.001, 0.0, 0.0))
     fresh = StepBudget(cost).prefill_tokens((50,), 0, 0.050, 1000)
     after_cache = StepBudget(cost).prefill_tokens((50,), 2000, 0.050, 1000)
     assert 16 <= after_cache < fresh < 39  # 10 + 1 + n + 1e-2 * n * (cached + n) <= 50
@@ -78,6 +84,32 @@ def test_mixed_steps_follow_the_tightest_objective_and_greedy_output_is_unchange
     assert late_chunks == [19] * 6 + [6]
     assert all(s.get("first") == 1 and s.get("second") == 1 for s in steps[:7])
     for rid, prompt, n in (("first", first, 30), ("second", second, 30), ("late", late, 8)):
+        assert_equivalent(outs[rid], hf_greedy(tiny_model, prompt, n), rid)
+
+
+def test_without_an_itl_objective_a_stream_allows_five_of_its_decode_steps(tiny_model):
+    """No --slo-itl-ms and none from the stream: a mixed step may take 5x the predicted
+    decode-only step of its rows (Sarathi-Serve's strict objective), so the chunk follows the
+    machine's own decode speed; greedy output is unchanged."""
+    assert ITL_DECODE_STEPS == 5.0 and default_itl_s(0.012) == pytest.approx(0.060)
+    engine = make_engine(tiny_model, num_blocks=256)
+    assert engine.config.slo_itl_ms is None
+    engine.use_step_cost(StepCost(1, (0.010, 0.001, 0.0, 0.0, 0.001, 0.0005, 0.0)))
+    first, late = _prompts([20, 100])
+    engine.add_request(first, SamplingParams(max_tokens=30, **GREEDY), request_id="first")
+    engine.step()
+    engine.add_request(late, SamplingParams(max_tokens=4, **GREEDY), request_id="late")
+    outs: dict[str, list[int]] = {}
+    steps = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.output_token_ids
+        steps.append(dict(engine.last_forward_tokens))
+    # one decode row: 11 ms decode-only, so a chunk's step 10 + 1 + 0.5 + n <= 55 ms takes 43
+    # tokens (the TPOT objective's 100 ms default is wider and does not bind)
+    assert [s["late"] for s in steps if s.get("late", 0) > 1] == [43, 43, 14]
+    for rid, prompt, n in (("first", first, 30), ("late", late, 4)):
         assert_equivalent(outs[rid], hf_greedy(tiny_model, prompt, n), rid)
 
 
@@ -125,7 +157,7 @@ def test_a_stream_behind_its_tpot_objective_shrinks_the_chunk(tiny_model):
     """With a 35 ms TPOT objective, a stream that is behind allows 35 ms steps (10 + 1 + n <=
     35: 24-token chunks) though its ITL objective is 250 ms; once ahead again, 250 ms. A
     stream's own objective replaces the engine's."""
-    engine = make_engine(tiny_model, num_blocks=256, slo_tpot_ms=35.0)
+    engine = make_engine(tiny_model, num_blocks=256, slo_itl_ms=250.0, slo_tpot_ms=35.0)
     engine.use_step_cost(FAKE)
     first, late = _prompts([20, 300])
     engine.add_request(first, SamplingParams(max_tokens=30, **GREEDY), request_id="first")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from services.cost_model import store
 from services.cost_model.step_cost import StepCost, StepShape
 from services.engine.config import EngineConfig
-from services.engine.step_budget import BORROWED_STEP_TOKENS, StepBudget
+from services.engine.step_budget import BORROWED_STEP_TOKENS, StepBudget, default_itl_s
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,8 @@ class WorkerView:
 
     `costs`: fitted step costs by thread count; `threads`: the worker's own engine threads;
     `lends`: it is on a core ledger (lends idle CPUs, borrows idle ones); `max_num_batched_tokens`
-    caps a step's tokens; `slo_itl_s`: the default ITL objective its step budget keeps (seconds);
+    caps a step's tokens; `slo_itl_s`: the default ITL objective its step budget keeps (seconds;
+    None: `default_itl_s` of its running rows' decode step);
     `max_num_seqs`: requests its engine runs at once.
     """
 
@@ -30,7 +31,7 @@ class WorkerView:
     threads: int = 1
     lends: bool = False
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
-    slo_itl_s: float = EngineConfig.slo_itl_ms / 1000
+    slo_itl_s: float | None = None
     max_num_seqs: int = EngineConfig.max_num_seqs
 
     @classmethod
@@ -44,12 +45,13 @@ class WorkerView:
         try:
             config = json.loads(config_json)
             engine = config["engine"]
+            itl_ms = engine.get("slo_itl_ms")
             return cls(
                 costs,
                 threads=max(int(config["threads"]), 1),
                 lends=bool(config.get("core_ledger")),
                 max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
-                slo_itl_s=float(engine["slo_itl_ms"]) / 1000,
+                slo_itl_s=None if itl_ms is None else float(itl_ms) / 1000,
                 max_num_seqs=int(engine["max_num_seqs"]),
             )
         except (ValueError, KeyError, TypeError):
@@ -210,16 +212,20 @@ def _chunked(
     cached: int,
     cap: int,
     contexts: tuple[int, ...],
-    itl_s: float = math.inf,
+    itl_s: float | None = math.inf,
 ) -> tuple[float, int]:
     """Predicted seconds and steps to prefill `tokens` after `cached` in chunks of at most
     `cap`, each step also carrying decode rows of `contexts` (then a chunk keeps `itl_s`, as the
-    engine's step budget sizes it; the first chunk's size serves for all)."""
+    engine's step budget sizes it, None: `default_itl_s` of those rows; the first chunk's size
+    serves for all)."""
     if tokens <= 0:
         return 0.0, 0
     chunk = max(cap, 1)
     if contexts:
-        chunk = StepBudget(cost).prefill_tokens(contexts, cached, itl_s, chunk)
+        budget = StepBudget(cost)
+        if itl_s is None:
+            itl_s = default_itl_s(budget.decode_step_s(contexts))
+        chunk = budget.prefill_tokens(contexts, cached, itl_s, chunk)
     total, done, steps = 0.0, 0, 0
     while done < tokens:
         n = min(chunk, tokens - done)

@@ -36,11 +36,12 @@ from services.router.pool.worker_pool import WorkerPool
 def cost(threads: int) -> StepCost:
     """5 ms a step, 1 ms per prompt token on one thread (half on two), 2 ms per decode row,
     3 us per token of context a thread reads, 4 ms more for a step with a chunk."""
-    return StepCost(threads, (0.005, 0.001 / threads, 1e-7, 3e-6, 0.002, 0.004))
+    return StepCost(threads, (0.005, 0.001 / threads, 1e-7, 3e-6, 0.002, 0.004, 0.0))
 
 
 COSTS = {1: cost(1), 2: cost(2)}
-LENDER = WorkerView(COSTS, threads=1, lends=True)  # one CPU of a 1 + 1 pair on a core ledger
+# one CPU of a 1 + 1 pair on a core ledger, whose streams allow 250 ms steps
+LENDER = WorkerView(COSTS, threads=1, lends=True, slo_itl_s=0.25)
 TIGHT = WorkerView(COSTS, threads=1, lends=True, slo_itl_s=0.05)  # streams allow 50 ms steps
 AUTO = ServingPaths()
 
@@ -62,6 +63,20 @@ def test_a_long_prompt_beside_streams_with_a_tight_itl_goes_to_the_prefill_pool(
     choice = choose(load, decode=TIGHT)
     assert choice.path == "remote" and choice.local_s > choice.remote_s
     assert choose(load).path == "local"
+
+
+def test_without_an_itl_objective_local_chunks_keep_five_decode_steps_as_the_engine_does():
+    """A decode worker that sets no --slo-itl-ms (the default): the router plans its local
+    chunks as its step budget will cut them, 5x the predicted decode step of its rows."""
+    load = PathLoad(2048, decode_rows=8, decode_context=8 * 300)
+    relative = WorkerView(COSTS, threads=1, lends=True)
+    decode_s = cost(2).predict(StepShape(decode_contexts=(300,) * 8))
+    explicit = WorkerView(COSTS, threads=1, lends=True, slo_itl_s=5 * decode_s)
+    assert relative.slo_itl_s is None
+    assert predict_local(LENDER, relative, load) == pytest.approx(
+        predict_local(LENDER, explicit, load)
+    )
+    assert predict_local(LENDER, relative, load) > predict_local(LENDER, LENDER, load)
 
 
 def test_a_busy_prefill_pool_sends_prompts_to_a_decode_worker_with_slack():
@@ -162,7 +177,7 @@ def bandwidth_bound(threads: int) -> StepCost:
     """`cost` with a fixed part that scales with threads (10 ms on one, 5 ms on two), as a
     decode step bound by reading the weights does: a decode worker that loses the CPU it
     borrowed decodes slower."""
-    return StepCost(threads, (0.01 / threads, 0.001 / threads, 1e-7, 3e-6, 0.002, 0.004))
+    return StepCost(threads, (0.01 / threads, 0.001 / threads, 1e-7, 3e-6, 0.002, 0.004, 0.0))
 
 
 def test_within_a_ttft_objective_the_path_that_delays_the_streams_least_wins():
@@ -172,7 +187,8 @@ def test_within_a_ttft_objective_the_path_that_delays_the_streams_least_wins():
     each loses that time x (1 - two CPUs' step / one CPU's), less than local's chunk. So under
     an objective both paths meet, remote wins (though local's TTFT is lower); under one only
     local meets, local; under none, the lower TTFT, as without an objective."""
-    view = WorkerView({t: bandwidth_bound(t) for t in (1, 2)}, threads=1, lends=True)
+    costs = {t: bandwidth_bound(t) for t in (1, 2)}
+    view = WorkerView(costs, threads=1, lends=True, slo_itl_s=0.25)
     load = PathLoad(256, decode_rows=4, decode_context=4 * 200)
     local, remote = predict_local(view, view, load), predict_remote(view, view, load)
     assert local < remote
@@ -225,7 +241,8 @@ def test_the_calibration_bounds_a_path_at_90_percent_by_its_observed_spread():
     assert calibration.upper("remote") > 1 + Z_P90 * 0.3
     now[0] = 100 * CALIBRATION_DECAY_S
     assert calibration.upper("remote") == pytest.approx(prior, rel=1e-3)
-    view = WorkerView({t: bandwidth_bound(t) for t in (1, 2)}, threads=1, lends=True)
+    costs = {t: bandwidth_bound(t) for t in (1, 2)}
+    view = WorkerView(costs, threads=1, lends=True, slo_itl_s=0.25)
     load = PathLoad(256, decode_rows=4, decode_context=4 * 200)
     remote = predict_remote(view, view, load)
     now[0] = 0.0
@@ -265,6 +282,8 @@ def test_a_worker_view_reads_getinfo_and_keeps_defaults_for_what_is_missing():
     assert (view.slo_itl_s, view.max_num_seqs) == (0.1, 8)
     assert view.costs == COSTS and view.cost(3) == cost(2) and view.cost(2) == cost(2)
     assert WorkerView({2: cost(2)}).cost(1) == cost(2)  # none below: the smallest above
+    relative = {**config, "engine": {**config["engine"], "slo_itl_ms": None}}
+    assert WorkerView.from_info(json.dumps(relative), "").slo_itl_s is None  # 5 decode steps
     broken = WorkerView.from_info("{not json", '{"features": ["x"], "threads": {}}')
     assert broken == WorkerView()
     assert store.from_json("") == {} and store.to_json([]) == ""
