@@ -279,6 +279,26 @@ ROWS = (
                 ),
             ),
             Panel(
+                "Mixed-step token budget",
+                "short",
+                "How many prompt tokens may a step beside running streams compute (the per-step "
+                "token budget, median and p10 per worker), and how much longer than predicted "
+                "do those steps run here (the budget's live ratio)?",
+                (
+                    Query(
+                        "histogram_quantile(0.5, sum by (le, service) "
+                        f"(rate(pdserve_step_prefill_budget_tokens_bucket{{{WORKER}}}{RATE})))",
+                        "{{service}} p50 tokens",
+                    ),
+                    Query(
+                        "histogram_quantile(0.1, sum by (le, service) "
+                        f"(rate(pdserve_step_prefill_budget_tokens_bucket{{{WORKER}}}{RATE})))",
+                        "{{service}} p10 tokens",
+                    ),
+                    _per_worker("pdserve_step_time_scale_ratio", "{{service}} live ratio"),
+                ),
+            ),
+            Panel(
                 "Cores held and lent",
                 "short",
                 "On how many CPUs does each worker compute now (core lending: its own it has not "

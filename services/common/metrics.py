@@ -262,6 +262,20 @@ CORE_REPIN_SECONDS = Histogram(
     ["role"],
     buckets=SWITCH_BUCKETS,
 )
+STEP_PREFILL_BUDGET = Histogram(
+    "pdserve_step_prefill_budget_tokens",
+    "Prompt tokens the per-step token budget let a mixed step (a prompt chunk beside decode "
+    "rows) compute: the largest chunk predicted to keep the running streams' ITL and TPOT "
+    "objectives (engine/step_budget.py).",
+    ["role"],
+    buckets=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+)
+STEP_TIME_SCALE = Gauge(
+    "pdserve_step_time_scale_ratio",
+    "Observed over predicted seconds of this worker's recent mixed steps at its current thread "
+    "count (the step budget's live calibration, LiveScale): 1 is the fitted model as profiled.",
+    ["role"],
+)
 HTTP_READ_TIMEOUTS = Counter(
     "pdserve_http_read_timeouts",
     "HTTP connections closed because a request's headers and body did not arrive in time.",
@@ -292,6 +306,8 @@ def create_worker_series(role: str) -> None:
         KV_TRANSFER_BYTES.labels(role, backend)
     if role == "decode":
         KV_TRANSFER_TIME.labels(role)
+    STEP_PREFILL_BUDGET.labels(role)
+    STEP_TIME_SCALE.labels(role).set(1.0)
 
 
 def create_router_series(role: str = "router") -> None:

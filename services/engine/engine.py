@@ -260,7 +260,9 @@ class Engine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for every request that got a token or finished."""
+        """Run one iteration; returns an output for every request that got a token or finished.
+        A mixed step's seconds calibrate the step budget (`Scheduler.observe_step`)."""
+        started = time.perf_counter()
         outputs = [self._finish(r) for r in self._finished_at_admission]
         self._finished_at_admission.clear()
         outputs += [
@@ -279,6 +281,7 @@ class Engine:
                 outputs.append(self._hand_off(request))
             else:
                 outputs.append(request.output([request.output_token_ids[-1]]))
+        self.scheduler.observe_step(sched, time.perf_counter() - started)
         return outputs
 
     def _load_remote_kv(self, sched: SchedulerOutput) -> list[RequestOutput]:

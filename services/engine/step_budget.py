@@ -13,7 +13,7 @@ cap.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.cost_model.step_cost import StepCost, StepShape
 
@@ -71,6 +71,42 @@ def allowed_step_s(
     coming = max(0, min(remaining_tokens, max(TPOT_HORIZON_TOKENS, num_output_tokens)))
     slack += max(0.0, tpot_s - decode_step_s) * coming
     return min(itl_s, max(slack, tpot_s))
+
+
+LIVE_SCALE_WEIGHT = 0.1
+"""Weight of one observed mixed step in `LiveScale`'s running ratio (about the last 10 steps)."""
+LIVE_SCALE_BOUNDS = (0.5, 3.0)
+"""Least and most `LiveScale` ratio: one wild step (a page fault storm, a paused process) moves
+it a bounded step, and no history makes the budget ignore the fitted model altogether."""
+
+
+@dataclass
+class LiveScale:
+    """Observed over predicted seconds of this engine's recent mixed steps (a chunk beside decode
+    rows), per thread count: an exponentially weighted ratio that scales the budget's predictions.
+
+    The fitted model (`pdserve profile`) times steps on a quiet machine; served, a step shares its
+    cores with the worker's gRPC threads, the router and the clients, and runs 1.2-1.4x longer on
+    two threads of a 2-core EPYC (docs/benchmarks.md, 2026-12-07). The budget keeps the streams'
+    ITL only if it predicts the steps as they run here, so it learns the ratio from the steps it
+    sized, as the router's `PathCalibration` does from first tokens."""
+
+    weight: float = LIVE_SCALE_WEIGHT
+    """Of one observed step (0.0: the ratio stays 1, the model as fitted)."""
+    ratios: dict[int, float] = field(default_factory=dict)
+
+    def ratio(self, threads: int) -> float:
+        """The current ratio at `threads` (1.0 before any mixed step ran at that count)."""
+        return self.ratios.get(threads, 1.0)
+
+    def observe(self, threads: int, predicted_s: float, observed_s: float) -> None:
+        """Fold one mixed step in (ignored without a positive prediction and observation)."""
+        if not (predicted_s > 0 and observed_s > 0):
+            return
+        low, high = LIVE_SCALE_BOUNDS
+        sample = min(max(observed_s / predicted_s, low), high)
+        now = self.ratio(threads)
+        self.ratios[threads] = now + self.weight * (sample - now)
 
 
 @dataclass(frozen=True)

@@ -271,6 +271,9 @@ class EngineLoop:
             rows = tuple((len(s.token_ids), s.start_position) for s in step.scheduled)
             seconds = time.perf_counter() - started
             self.step_log.write(StepRecord(rows, seconds, self.engine.num_threads()))
+        budget = self.engine.scheduler.last_prefill_budget
+        if budget is not None and step is not None and step.scheduled:
+            metrics.STEP_PREFILL_BUDGET.labels(self.role).observe(budget)
         step_tokens = self.engine.last_forward_tokens.values()
         self.max_step_tokens_per_request = max([self.max_step_tokens_per_request, *step_tokens])
         for out in outputs:

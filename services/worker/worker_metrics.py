@@ -1,7 +1,7 @@
 """A worker's engine figures as Prometheus series (`services/common/metrics.py`), published by
-its engine thread between steps: KV blocks and bytes, requests running and waiting, and the
-engine's counters (preemptions, prefix-cache queries and hits, recomputed prompt tokens) as
-increments since the last publish."""
+its engine thread between steps: KV blocks and bytes, requests running and waiting, the step
+budget's live ratio, and the engine's counters (preemptions, prefix-cache queries and hits,
+recomputed prompt tokens) as increments since the last publish."""
 
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ def publish_worker_metrics(
     metrics.NUM_REQUESTS_RUNNING.labels(role).set(engine.scheduler.num_running)
     metrics.NUM_REQUESTS_WAITING.labels(role).set(engine.num_waiting)
     scheduler = engine.scheduler
+    if scheduler.step_budget is not None:
+        threads = scheduler.step_budget.cost.threads
+        metrics.STEP_TIME_SCALE.labels(role).set(scheduler.live_scale.ratio(threads))
     totals = {
         "preemptions": scheduler.num_preemptions,
         "queries": scheduler.prefix_cache_queries,

@@ -13,7 +13,10 @@ from services.engine.errors import InvalidRequestError
 from services.engine.objectives import StreamObjectives
 from services.engine.step_budget import (
     ITL_DECODE_STEPS,
+    LIVE_SCALE_BOUNDS,
+    LIVE_SCALE_WEIGHT,
     TPOT_HORIZON_TOKENS,
+    LiveScale,
     StepBudget,
     allowed_step_s,
     default_itl_s,
@@ -46,6 +49,13 @@ def test_attention_over_cached_context_shrinks_the_chunk():
     assert 16 <= after_cache < fresh < 39  # 10 + 1 + n + 1e-2 * n * (cached + n) <= 50
 
 
+def _use(engine, cost: StepCost) -> None:
+    """Size mixed steps by a hand-made `cost`, taken as exact: the tiny model's steps take
+    microseconds, which the live ratio would otherwise learn (test_the_live_ratio_...)."""
+    engine.use_step_cost(cost)
+    engine.scheduler.live_scale = LiveScale(weight=0.0)
+
+
 def _prompts(lens, seed=3):
     rng = random.Random(seed)
     return [[rng.randrange(2, 512) for _ in range(n)] for n in lens]
@@ -57,7 +67,7 @@ def test_mixed_steps_follow_the_tightest_objective_and_greedy_output_is_unchange
     tightest running objective, a step with no decode row is uncapped, and every output
     equals the reference."""
     engine = make_engine(tiny_model, num_blocks=256, slo_itl_ms=40.0)
-    engine.use_step_cost(FAKE)
+    _use(engine, FAKE)
     first, second, late = _prompts([20, 24, 120])
     engine.add_request(first, SamplingParams(max_tokens=30, **GREEDY), request_id="first")
     engine.step()
@@ -94,7 +104,7 @@ def test_without_an_itl_objective_a_stream_allows_five_of_its_decode_steps(tiny_
     assert ITL_DECODE_STEPS == 5.0 and default_itl_s(0.012) == pytest.approx(0.060)
     engine = make_engine(tiny_model, num_blocks=256)
     assert engine.config.slo_itl_ms is None
-    engine.use_step_cost(StepCost(1, (0.010, 0.001, 0.0, 0.0, 0.001, 0.0005, 0.0)))
+    _use(engine, StepCost(1, (0.010, 0.001, 0.0, 0.0, 0.001, 0.0005, 0.0)))
     first, late = _prompts([20, 100])
     engine.add_request(first, SamplingParams(max_tokens=30, **GREEDY), request_id="first")
     engine.step()
@@ -111,6 +121,46 @@ def test_without_an_itl_objective_a_stream_allows_five_of_its_decode_steps(tiny_
     assert [s["late"] for s in steps if s.get("late", 0) > 1] == [43, 43, 14]
     for rid, prompt, n in (("first", first, 30), ("late", late, 4)):
         assert_equivalent(outs[rid], hf_greedy(tiny_model, prompt, n), rid)
+
+
+def test_the_live_ratio_learns_how_much_longer_mixed_steps_run_than_predicted():
+    scale = LiveScale()
+    assert scale.ratio(2) == 1.0
+    for _ in range(60):
+        scale.observe(2, predicted_s=0.100, observed_s=0.130)
+    assert scale.ratio(2) == pytest.approx(1.3, rel=0.01) and scale.ratio(1) == 1.0
+    before = scale.ratio(2)
+    scale.observe(2, 0.1, 100.0)  # one wild step: clamped, then weighted
+    wild = before + LIVE_SCALE_WEIGHT * (LIVE_SCALE_BOUNDS[1] - before)
+    assert scale.ratio(2) == pytest.approx(wild)
+    scale.observe(2, 0.0, 1.0)  # no prediction: ignored
+    assert scale.ratio(2) == pytest.approx(wild)
+
+
+def test_mixed_steps_slower_than_predicted_shrink_the_next_chunks(tiny_model):
+    """The engine folds each mixed step's seconds into its live ratio; a ratio of 2 halves the
+    time a chunk may be predicted to take (FAKE: 10 + 1 + n <= 50 / 2 leaves 14, the 16-token
+    floor). Greedy output is unchanged."""
+    engine = make_engine(tiny_model, num_blocks=256, slo_itl_ms=50.0)
+    engine.use_step_cost(FAKE)
+    assert engine.scheduler.live_scale.weight == LIVE_SCALE_WEIGHT
+    first, late = _prompts([20, 100])
+    engine.add_request(first, SamplingParams(max_tokens=30, **GREEDY), request_id="first")
+    engine.step()
+    engine.add_request(late, SamplingParams(max_tokens=4, **GREEDY), request_id="late")
+    engine.step()
+    assert engine.last_forward_tokens == {"first": 1, "late": 39}  # 10 + 1 + n <= 50
+    # the tiny model's real step took far less than FAKE's 50 ms: the ratio fell
+    assert engine.scheduler.live_scale.ratio(1) < 1.0
+    engine.scheduler.live_scale.ratios[1] = 2.0  # as if served steps ran twice as long
+    engine.step()
+    assert engine.last_forward_tokens == {"first": 1, "late": 16}
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.output_token_ids
+    assert_equivalent(outs["late"], hf_greedy(tiny_model, late, 4), "late")
 
 
 @pytest.mark.parametrize(
@@ -158,7 +208,7 @@ def test_a_stream_behind_its_tpot_objective_shrinks_the_chunk(tiny_model):
     35: 24-token chunks) though its ITL objective is 250 ms; once ahead again, 250 ms. A
     stream's own objective replaces the engine's."""
     engine = make_engine(tiny_model, num_blocks=256, slo_itl_ms=250.0, slo_tpot_ms=35.0)
-    engine.use_step_cost(FAKE)
+    _use(engine, FAKE)
     first, late = _prompts([20, 300])
     engine.add_request(first, SamplingParams(max_tokens=30, **GREEDY), request_id="first")
     engine.step()
