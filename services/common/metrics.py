@@ -310,6 +310,13 @@ def create_worker_series(role: str) -> None:
     STEP_TIME_SCALE.labels(role).set(1.0)
 
 
+def observe_step_budget(role: str, tokens: int | None) -> None:
+    """Record a step's prompt-token budget (`STEP_PREFILL_BUDGET`; None: the step was not a
+    mixed step the budget sized)."""
+    if tokens is not None:
+        STEP_PREFILL_BUDGET.labels(role).observe(tokens)
+
+
 def create_router_series(role: str = "router") -> None:
     """The router's labelled series (latencies, tokens, outcomes by label value), created at start
     so that panels and alerts have series before the first request or failure."""

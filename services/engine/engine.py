@@ -261,7 +261,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that got a token or finished.
-        A mixed step's seconds calibrate the step budget (`Scheduler.observe_step`)."""
+        A mixed step's seconds calibrate the step budget (`LiveScale.observe_step`)."""
         started = time.perf_counter()
         outputs = [self._finish(r) for r in self._finished_at_admission]
         self._finished_at_admission.clear()
@@ -281,7 +281,9 @@ class Engine:
                 outputs.append(self._hand_off(request))
             else:
                 outputs.append(request.output([request.output_token_ids[-1]]))
-        self.scheduler.observe_step(sched, time.perf_counter() - started)
+        if (budget := self.scheduler.step_budget) is not None:
+            rows = [(len(s.token_ids), s.start_position) for s in sched.scheduled]
+            self.scheduler.live_scale.observe_step(budget.cost, rows, time.perf_counter() - started)
         return outputs
 
     def _load_remote_kv(self, sched: SchedulerOutput) -> list[RequestOutput]:

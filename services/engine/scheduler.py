@@ -23,7 +23,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.cost_model.step_cost import StepShape
 from services.engine.block_hash import max_cached_blocks
 from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCache
@@ -159,28 +158,10 @@ class Scheduler:
         )
         chunked = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         cached = chunked[0].num_computed_tokens if chunked else 0
-        # predicted x live ratio <= allowance: the steps as they run here, not as profiled
         step_s /= self.live_scale.ratio(self.step_budget.cost.threads)
         tokens = self.step_budget.prefill_tokens(contexts, cached, step_s, cap - len(decodes))
         self.last_prefill_budget = tokens
         return tokens
-
-    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
-        """Fold the step `sched`, which took `seconds`, into `live_scale` when it was a mixed
-        step (a prompt chunk beside decode rows) sized by the step budget."""
-        if self.step_budget is None:
-            return
-        chunks, contexts = [], []
-        for s in sched.scheduled:
-            if len(s.token_ids) > 1:
-                chunks.append((len(s.token_ids), s.start_position))
-            else:
-                contexts.append(s.start_position + 1)
-        if not chunks or not contexts:
-            return
-        cost = self.step_budget.cost
-        predicted = cost.predict(StepShape(chunks=tuple(chunks), decode_contexts=tuple(contexts)))
-        self.live_scale.observe(cost.threads, predicted, seconds)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv_cache.allocate_slots(request, num_new):

@@ -108,6 +108,15 @@ class LiveScale:
         now = self.ratio(threads)
         self.ratios[threads] = now + self.weight * (sample - now)
 
+    def observe_step(self, cost: StepCost, rows: Sequence[tuple[int, int]], seconds: float) -> None:
+        """Fold in one engine step of `rows` ((tokens, start position) each) that took `seconds`,
+        predicted by `cost`, when it was a mixed step (a prompt chunk beside decode rows)."""
+        chunks = tuple((n, start) for n, start in rows if n > 1)
+        contexts = tuple(start + 1 for n, start in rows if n == 1)
+        if chunks and contexts:
+            shape = StepShape(chunks=chunks, decode_contexts=contexts)
+            self.observe(cost.threads, cost.predict(shape), seconds)
+
 
 @dataclass(frozen=True)
 class StepBudget:

@@ -266,14 +266,11 @@ class EngineLoop:
             logger.exception("engine step failed")
             self._fail_running(exc)
             return
-        step = self.engine.last_step
+        seconds, step = time.perf_counter() - started, self.engine.last_step
         if self.step_log is not None and step is not None and step.scheduled:
             rows = tuple((len(s.token_ids), s.start_position) for s in step.scheduled)
-            seconds = time.perf_counter() - started
             self.step_log.write(StepRecord(rows, seconds, self.engine.num_threads()))
-        budget = self.engine.scheduler.last_prefill_budget
-        if budget is not None and step is not None and step.scheduled:
-            metrics.STEP_PREFILL_BUDGET.labels(self.role).observe(budget)
+        metrics.observe_step_budget(self.role, self.engine.scheduler.last_prefill_budget)
         step_tokens = self.engine.last_forward_tokens.values()
         self.max_step_tokens_per_request = max([self.max_step_tokens_per_request, *step_tokens])
         for out in outputs:
