@@ -21,7 +21,7 @@ from services.engine.step_budget import (
     allowed_step_s,
     default_itl_s,
 )
-from tests.engine.helpers import GREEDY, make_engine
+from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 from tests.reference import assert_equivalent, hf_greedy
 
 # 10 ms a step, 1 ms a prompt token, 1 ms a decode row; attention and context free.
@@ -80,15 +80,8 @@ def test_mixed_steps_follow_the_tightest_objective_and_greedy_output_is_unchange
     engine.step()  # "first" decodes: 10 + 1 + n <= 40 leaves 29, and all 24 fit
     assert engine.last_forward_tokens == {"first": 1, "second": 24}
     assert engine.scheduler.last_prefill_budget == 29
-    engine.add_request(late, SamplingParams(max_tokens=8, **GREEDY), request_id="late")
-    outs: dict[str, list[int]] = {}
-    steps = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out.output_token_ids
-        steps.append(dict(engine.last_forward_tokens))
-        engine.check_integrity()
+    late_params = SamplingParams(max_tokens=8, **GREEDY)
+    outs, steps = run_to_completion(engine, {"late": (late, late_params)})
     # both decode, "second" the tightest: 10 + 2 + n <= 31 leaves 19 prompt tokens a step
     late_chunks = [s["late"] for s in steps if s.get("late", 0) > 1]
     assert late_chunks == [19] * 6 + [6]
@@ -108,14 +101,8 @@ def test_without_an_itl_objective_a_stream_allows_five_of_its_decode_steps(tiny_
     first, late = _prompts([20, 100])
     engine.add_request(first, SamplingParams(max_tokens=30, **GREEDY), request_id="first")
     engine.step()
-    engine.add_request(late, SamplingParams(max_tokens=4, **GREEDY), request_id="late")
-    outs: dict[str, list[int]] = {}
-    steps = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out.output_token_ids
-        steps.append(dict(engine.last_forward_tokens))
+    late_params = SamplingParams(max_tokens=4, **GREEDY)
+    outs, steps = run_to_completion(engine, {"late": (late, late_params)})
     # one decode row: 11 ms decode-only, so a chunk's step 10 + 1 + 0.5 + n <= 55 ms takes 43
     # tokens (the TPOT objective's 100 ms default is wider and does not bind)
     assert [s["late"] for s in steps if s.get("late", 0) > 1] == [43, 43, 14]
@@ -155,11 +142,7 @@ def test_mixed_steps_slower_than_predicted_shrink_the_next_chunks(tiny_model):
     engine.scheduler.live_scale.ratios[1] = 2.0  # as if served steps ran twice as long
     engine.step()
     assert engine.last_forward_tokens == {"first": 1, "late": 16}
-    outs: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out.output_token_ids
+    outs, _ = run_to_completion(engine, {})
     assert_equivalent(outs["late"], hf_greedy(tiny_model, late, 4), "late")
 
 
