@@ -230,7 +230,6 @@ def main() -> int:
     )
     suite.add_argument(
         "--step-logs",
-        type=Path,
         default=None,
         help="a folder for pdserve's engine step logs (the cost model's live check)",
     )
@@ -266,10 +265,7 @@ def main() -> int:
         for repeat in range(1, args.repeats):
             runs.append(asyncio.run(_run_points(systems, plan, args, repeat)))
             _save(args, runs, {})
-        inter = {
-            s.name: asyncio.run(interference(s.url, s.model, s.tokenizer, args.interference_s))
-            for s in systems
-        }
+        inter = _interference_each(systems, args)
     finally:
         stop_systems(systems)
     data = _save(args, runs, inter)
@@ -283,22 +279,26 @@ def main() -> int:
     return 0
 
 
+def _interference_each(systems: list[System], args: argparse.Namespace) -> dict[str, Any]:
+    """The interference diagnostic on each system in turn, by name (each printed as it ends)."""
+    inter = {}
+    for s in systems:
+        inter[s.name] = asyncio.run(interference(s.url, s.model, s.tokenizer, args.interference_s))
+        print(s.name, json.dumps(inter[s.name]), flush=True)
+    return inter
+
+
 def _interference_only(systems: list[System], args: argparse.Namespace) -> int:
     """The interference diagnostic alone, each system in turn after its warm-up; its JSON goes to
     `args.json` (the same "interference" key as a full run's)."""
     try:
         asyncio.run(_warm(systems, args))
-        inter = {}
-        for s in systems:
-            inter[s.name] = asyncio.run(
-                interference(s.url, s.model, s.tokenizer, args.interference_s)
-            )
-            print(s.name, json.dumps(inter[s.name]), flush=True)
+        inter = _interference_each(systems, args)
     finally:
         stop_systems(systems)
     data = {"config": vars(args), "machine": machine(), "interference": inter}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(data, indent=1, default=str) + "\n")
+    Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
     print(f"tables: python benchmarks/compare_report.py {args.json}")
     return 0
 

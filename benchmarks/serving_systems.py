@@ -137,7 +137,7 @@ def bench_dtype(asked: str) -> str:
 
 
 def start_systems(
-    names: list[str], vllm_venv: Path, dtype: str, step_logs: Path | None = None
+    names: list[str], vllm_venv: Path, dtype: str, step_logs: str | None = None
 ) -> list[System]:
     """The systems `names` (vLLM and `PDSERVE_MODES`), started in order and stopped again if one
     fails. `step_logs`: a folder where each pdserve system's workers log their engine steps
@@ -158,10 +158,10 @@ def start_systems(
                 systems.append(System(name, url, process, tokenizer, info=launch))
             else:
                 flags = list(PDSERVE_MODES[name])
-                if step_logs is not None:
-                    step_logs.mkdir(parents=True, exist_ok=True)
+                if step_logs is not None:  # a str: it rides in the results' JSON config
+                    Path(step_logs).mkdir(parents=True, exist_ok=True)
                     for role in ("prefill", "decode"):
-                        flags += [f"--{role}-step-log", str(step_logs / f"{name}-{role}.jsonl")]
+                        flags += [f"--{role}-step-log", f"{step_logs}/{name}-{role}.jsonl"]
                 url, process, info = start_pdserve(flags, dtype)
                 systems.append(System(name, url, process, tokenizer, info=info))
     except BaseException:
