@@ -1,10 +1,12 @@
-"""pdserve's two default-mode suite rows at one rate, against a sitting's objectives: an A/B of
-a change to the adaptive rule without rerunning the sitting.
+"""pdserve's suite rows at one rate, against a sitting's objectives: an A/B of a change to the
+adaptive rule without rerunning the sitting.
 
     python benchmarks/suite_ab.py benchmarks/results/suite_W1_2026-12-07.json 0.72 150
+    python benchmarks/suite_ab.py SITTING.json 0.45 150 --rows pdserve-colocated,pdserve
 
-One `pdserve serve` (this checkout's code, the sitting's dtype); the row given the workload's
-objectives as headers, then the row with pdserve's default objectives, each at `RATE` req/s
+One `pdserve serve` per system the rows need (this checkout's code, the sitting's dtype); by
+default the row given the workload's objectives as headers, then the row with pdserve's
+default objectives (`--rows`: any of the suite's pdserve rows), each at `RATE` req/s
 for `COUNT` requests of the sitting's workload (seed 0, as the sitting's repeat 0), run to the
 end. Prints each row's attainment, latencies and the paths its requests took; writes
 benchmarks/results/suite_ab_<workload>_<rate>.json.
@@ -36,6 +38,15 @@ def main() -> int:
     parser.add_argument("sitting", type=Path, help="a sitting's JSON (its workload, objectives)")
     parser.add_argument("rate", type=float, help="req/s")
     parser.add_argument("count", type=int, help="requests per row")
+    parser.add_argument(
+        "--rows",
+        default="pdserve,pdserve-default-objectives",
+        help="the suite's rows to run, comma-separated (any but vllm)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="default: results/suite_ab_...")
+    parser.add_argument(
+        "--keep-requests", action="store_true", help="every request's timeline in the JSON too"
+    )
     args = parser.parse_args()
     sitting_data = json.loads(args.sitting.read_text())
     objectives = sitting_data["objectives"]
@@ -45,8 +56,12 @@ def main() -> int:
     )  # fmt: skip
     workload = SUITE[sitting_data["config"]["workload"]]
     dtype = bench_dtype(sitting_data["config"]["dtype"])
-    systems = start_systems(["pdserve"], Path(sitting_data["config"]["vllm_venv"]), dtype)
-    rows = [row for row in ROWS if row.system == "pdserve"]
+    asked = args.rows.split(",")
+    rows = [row for row in ROWS if row.name in asked and row.system != "vllm"]
+    if len(rows) != len(asked):
+        parser.error(f"--rows: {args.rows!r} names a row that is not one of pdserve's suite rows")
+    names = sorted({row.system for row in rows})
+    systems = start_systems(names, Path(sitting_data["config"]["vllm_venv"]), dtype)
     out: dict[str, dict] = {}
 
     async def run() -> None:
@@ -59,7 +74,7 @@ def main() -> int:
                 paths = Counter(
                     f"{(r.get('timings') or {}).get('path')}/"
                     f"{(r.get('timings') or {}).get('path_reason')}"
-                    for r in found.pop("requests")
+                    for r in (found["requests"] if args.keep_requests else found.pop("requests"))
                 )
                 found["paths"] = dict(paths)
                 out[row.name] = found
@@ -70,7 +85,7 @@ def main() -> int:
     finally:
         stop_systems(systems)
     name = f"suite_ab_{sitting_data['config']['workload']}_{args.rate}.json"
-    (RESULTS / name).write_text(json.dumps(out, indent=1) + "\n")
+    (args.json or RESULTS / name).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 
