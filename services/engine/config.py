@@ -80,9 +80,10 @@ class EngineConfig:
     """ITL objective (milliseconds) of a stream that brings none: a step that mixes prompt
     tokens into running decodes takes the largest chunk whose predicted time fits the tightest
     running stream's objective (needs the cost model of `pdserve profile`; without one only
-    --max-num-batched-tokens caps it). Default: 5x the predicted decode-only step of the rows
-    running (Sarathi-Serve's strict objective), so on any machine a prompt stretches the
-    streams' gaps to a few of their own steps at most."""
+    --max-num-batched-tokens caps it). Default: none for a stream that brings a TPOT objective
+    (its slack bounds the step), else 5x the predicted decode-only step of the rows running
+    (Sarathi-Serve's strict objective), so on any machine a prompt stretches the streams' gaps
+    to a few of their own steps at most."""
     slo_tpot_ms: float = 100.0
     """Mean-TPOT objective (milliseconds) of every stream: a stream's ITL allowance shrinks to
     the time left before its mean TPOT would pass this (never below it), so a prefill chunk only

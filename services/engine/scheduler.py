@@ -18,6 +18,7 @@ now, ahead of the waiting queue, and lists their loads in `SchedulerOutput.remot
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -28,7 +29,13 @@ from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCache
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import SamplingRow, TokenLogprobs
-from services.engine.step_budget import LiveScale, StepBudget, allowed_step_s, default_itl_s
+from services.engine.step_budget import (
+    BORROWED_STEP_S,
+    BORROWED_STEP_TOKENS,
+    LiveScale,
+    StepBudget,
+    streams_allow_s,
+)
 from services.kv_transfer.handle import KVHandle
 
 
@@ -85,10 +92,11 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, tokens whose KV was reused
         self.step_budget: StepBudget | None = None  # set once a cost model is known
         self.live_scale = LiveScale()  # observed / predicted seconds of recent mixed steps
-        self.last_prefill_budget: int | None = None  # the last mixed step's (None: uncapped)
-        # a cap on each step's prompt tokens set from outside (None: none): core lending keeps
-        # steps on borrowed CPUs short, so their owner gets them back after a short wait
-        self.max_step_prompt_tokens: int | None = None
+        self.last_prefill_budget: int | None = None  # the last step's (None: uncapped)
+        # set by core lending while this engine computes on borrowed CPUs: each step is kept
+        # within BORROWED_STEP_S (BORROWED_STEP_TOKENS without a cost model), so their owner
+        # gets them back after one short step
+        self.borrowing = False
 
     def add(self, request: Request) -> None:
         """Queue a request (first come, first served)."""
@@ -106,8 +114,6 @@ class Scheduler:
         out = SchedulerOutput(now=time.monotonic())
         budget = self.config.max_num_batched_tokens
         prefill_budget = self._prefill_budget(budget, out.now)
-        if self.max_step_prompt_tokens is not None:
-            prefill_budget = min(prefill_budget, self.max_step_prompt_tokens)
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -126,36 +132,29 @@ class Scheduler:
 
     def _prefill_budget(self, cap: int, now: float) -> int:
         """Prompt tokens this step may compute besides its decode rows (`step_budget.py`): the
-        largest chunk whose predicted step time fits the tightest allowance (ITL objective,
-        shortened to TPOT slack) among the running streams that decode this step; `cap` without
-        a cost model or decode rows. A stream without an ITL objective takes the engine's
-        `slo_itl_ms`, else `default_itl_s` of this step's decode rows."""
+        largest chunk whose predicted step time fits the tightest allowance among the streams
+        that decode in it (`streams_allow_s`) and BORROWED_STEP_S while `borrowing`; `cap`
+        without either. Without a cost model: `cap`, BORROWED_STEP_TOKENS while borrowing."""
+        self.last_prefill_budget = None
         if self.step_budget is None:  # no cost model: nothing to compute on the hot path
-            self.last_prefill_budget = None
-            return cap
+            return min(cap, BORROWED_STEP_TOKENS) if self.borrowing else cap
         decodes = [
             r for r in self.running
             if r.status == RequestStatus.RUNNING and r.num_tokens - r.num_computed_tokens == 1
         ]  # fmt: skip
-        if not decodes:
-            self.last_prefill_budget = None
+        if not decodes and not self.borrowing:
             return cap
         contexts = [r.num_tokens for r in decodes]
-        decode_s = self.step_budget.decode_step_s(contexts)
-        itl_ms, tpot = self.config.slo_itl_ms, self.config.slo_tpot_ms / 1000
-        itl = default_itl_s(decode_s) if itl_ms is None else itl_ms / 1000
-        step_s = min(
-            allowed_step_s(
-                itl if r.objectives.itl_s is None else r.objectives.itl_s,
-                tpot if r.objectives.tpot_s is None else r.objectives.tpot_s,
-                r.first_token_time,
-                r.num_output_tokens,
-                now,
-                remaining_tokens=r.sampling_params.max_tokens - r.num_output_tokens - 1,
-                decode_step_s=decode_s,
+        itl_ms = self.config.slo_itl_ms
+        step_s = (
+            streams_allow_s(
+                decodes, self.step_budget.decode_step_s(contexts),
+                None if itl_ms is None else itl_ms / 1000, self.config.slo_tpot_ms / 1000, now,
             )
-            for r in decodes
-        )
+            if decodes else math.inf
+        )  # fmt: skip
+        if self.borrowing:
+            step_s = min(step_s, BORROWED_STEP_S)
         chunked = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         cached = chunked[0].num_computed_tokens if chunked else 0
         step_s /= self.live_scale.ratio(self.step_budget.cost.threads)

@@ -12,15 +12,23 @@ cap.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.cost_model.step_cost import StepCost, StepShape
 
 MIN_CHUNK_TOKENS = 16  # a prompt always advances, even when a decode step alone misses the ITL
+BORROWED_STEP_S = 0.35
+"""Longest predicted step (seconds) of a worker computing on CPUs borrowed from another
+(`services/worker/core_lending.py`): the owner, its work back, waits at most one such step for
+them. A bound in time, not tokens, so a prompt's chunks stay long where they are cheap: at 256
+tokens a step, a 2,048-token prompt on two borrowed threads took 1.03 s against 0.72 s in one
+step (each chunk pays the weights' pass and a gather of the cached prefix again; AMX Xeon,
+bfloat16, docs/benchmarks.md, 2026-12-07)."""
 BORROWED_STEP_TOKENS = 256
-"""Most prompt tokens a step may take while it runs on CPUs borrowed from another worker
-(`services/worker/core_lending.py`): the owner waits at most one such step for them."""
+"""The same bound in prompt tokens, for a worker without a fitted cost model."""
 
 
 ITL_DECODE_STEPS = 5.0
@@ -64,13 +72,49 @@ def allowed_step_s(
     min(`remaining_tokens`, max(TPOT_HORIZON_TOKENS, `num_output_tokens`)) tokens are projected
     to save, each at `decode_step_s` (a decode step without a chunk) against `tpot_s`. A
     stream ahead of its TPOT lends the rest to a prefill chunk, as SLOs-Serve (2025) plans by
-    slack."""
+    slack. Before its first token: `itl_s`, or `tpot_s` when that is math.inf (no ITL
+    objective)."""
     if first_token_at is None:
-        return itl_s
+        return itl_s if math.isfinite(itl_s) else tpot_s
     slack = first_token_at + tpot_s * num_output_tokens - now
     coming = max(0, min(remaining_tokens, max(TPOT_HORIZON_TOKENS, num_output_tokens)))
     slack += max(0.0, tpot_s - decode_step_s) * coming
     return min(itl_s, max(slack, tpot_s))
+
+
+def stream_itl_s(objectives: Any, itl_s: float | None, decode_step_s: float) -> float:
+    """A stream's ITL objective (seconds) for the step budget: its own; else the engine's
+    `itl_s` (`--slo-itl-ms`); else none (math.inf) when the stream states a TPOT objective
+    without an ITL one (llm-d's x-slo-ttft-ms / x-slo-tpot-ms: its client said what it needs,
+    and its TPOT slack alone bounds the step); else `default_itl_s` of `decode_step_s`."""
+    if objectives.itl_s is not None:
+        return float(objectives.itl_s)
+    if itl_s is not None:
+        return itl_s
+    if objectives.tpot_s is not None:
+        return math.inf
+    return default_itl_s(decode_step_s)
+
+
+def streams_allow_s(
+    decodes: Sequence[Any], decode_step_s: float, itl_s: float | None, tpot_s: float, now: float
+) -> float:
+    """The longest step (seconds) every stream of `decodes` (the engine's running `Request`s
+    that decode in it) allows: `allowed_step_s` of each, by `stream_itl_s` and its own TPOT
+    objective or the engine's `tpot_s`; `decode_step_s` is the rows' predicted decode-only
+    step."""
+    return min(
+        allowed_step_s(
+            stream_itl_s(r.objectives, itl_s, decode_step_s),
+            tpot_s if r.objectives.tpot_s is None else r.objectives.tpot_s,
+            r.first_token_time,
+            r.num_output_tokens,
+            now,
+            remaining_tokens=r.sampling_params.max_tokens - r.num_output_tokens - 1,
+            decode_step_s=decode_step_s,
+        )
+        for r in decodes
+    )
 
 
 LIVE_SCALE_WEIGHT = 0.1
@@ -132,19 +176,19 @@ class StepBudget:
         return self.cost.predict(StepShape(decode_contexts=tuple(decode_contexts)))
 
     def prefill_tokens(
-        self, decode_contexts: Sequence[int], cached: int, itl_s: float, cap: int
+        self, decode_contexts: Sequence[int], cached: int, step_s: float, cap: int
     ) -> int:
         """The most prompt tokens (at most `cap`, at least min(cap, min_chunk_tokens)) a step
-        with `decode_contexts` (each decode row's context, tokens) may compute, as one chunk
-        after `cached` tokens, for its predicted seconds to stay within `itl_s`. `cap` when
-        there is no decode row."""
-        if not decode_contexts or cap <= self.min_chunk_tokens:
+        with `decode_contexts` (each decode row's context, tokens; none is fine) may compute,
+        as one chunk after `cached` tokens, for its predicted seconds to stay within `step_s`
+        (math.inf: `cap`)."""
+        if math.isinf(step_s) or cap <= self.min_chunk_tokens:
             return max(cap, 0)
         decodes = tuple(decode_contexts)
 
         def fits(n: int) -> bool:
             shape = StepShape(chunks=((n, cached),), decode_contexts=decodes)
-            return self.cost.predict(shape) <= itl_s
+            return self.cost.predict(shape) <= step_s
 
         low, high = self.min_chunk_tokens, cap  # fits(low) is assumed; find the largest that fits
         if fits(high):

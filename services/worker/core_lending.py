@@ -11,9 +11,9 @@ The rules that keep compute threads apart (the issue's "never two busy compute t
 core"): a worker's team is pinned one thread per CPU it holds (`pin_thread_team`); it computes
 only after the ledger gives it those CPUs; a lender lends only once its team's threads sleep;
 a borrower releases a CPU only between steps, after shrinking its team off it (the docked thread
-stays asleep on that CPU and uses none of it). While it holds borrowed CPUs a worker's steps take
-at most `BORROWED_STEP_TOKENS` prompt tokens, so an owner waits one short step, not a long
-prefill, for its CPUs.
+stays asleep on that CPU and uses none of it). While it holds borrowed CPUs a worker's steps are
+predicted within `BORROWED_STEP_S` (the scheduler's `borrowing`), so an owner waits one short
+step, not a long prefill, for its CPUs.
 
 Runs on the engine thread only (`EngineLoop`).
 """
@@ -29,7 +29,6 @@ from services.common import metrics
 from services.cost_model import store
 from services.cost_model.step_cost import StepCost
 from services.engine import Engine
-from services.engine.step_budget import BORROWED_STEP_TOKENS
 from services.engine.threads import pin_thread_team, set_thread_threads
 from services.worker.core_ledger import CoreLedger, worker_name
 
@@ -123,8 +122,7 @@ class CoreLending:
                 metrics.CORE_BORROWS.labels(self.role).inc()
             self._repin(held)
             metrics.CORES_HELD.labels(self.role).set(len(held))
-        borrowing = bool(set(held) - set(self.home))
-        self.engine.scheduler.max_step_prompt_tokens = BORROWED_STEP_TOKENS if borrowing else None
+        self.engine.scheduler.borrowing = bool(set(held) - set(self.home))
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -212,16 +210,21 @@ def pin_team(cpus: list[int]) -> Sequence[int] | None:
 
 def open_lending(path: str, engine: Engine, role: str) -> CoreLending:
     """`engine`'s lending through the ledger at `path` (its name there: `worker_name`).
-    When the engine sizes its steps by a cost model, the saved fits for every thread count come
-    along, so the budget follows the team's size. Raises OSError when the ledger cannot be
-    opened, ValueError naming core_ledger when it does not list this worker."""
+    The saved fits for every thread count come along, so the step budget follows the team's
+    size and a worker on borrowed CPUs keeps each step within BORROWED_STEP_S: a decode
+    worker's (unless its --cost-model is off), and a prefill worker's too (it sizes no mixed
+    steps, so `settle_step_cost` gave it none; without a saved fit it keeps to
+    BORROWED_STEP_TOKENS). Raises OSError when
+    the ledger cannot be opened, ValueError naming core_ledger when it does not list this
+    worker."""
     ledger = CoreLedger.open(path, worker_name(engine.config.engine_id))
     costs: dict[int, StepCost] = {}
     budget = engine.scheduler.step_budget
-    if budget is not None:
+    if budget is not None or role == "prefill":  # a decode worker's --cost-model off holds
         try:
             costs = {c.threads: c for c in store.load(engine.cost_model_key())}
         except (OSError, ValueError) as exc:
             logger.warning("saved cost model unreadable: %s", exc)
+    if budget is not None:
         costs.setdefault(len(ledger.home()), budget.cost)
     return CoreLending(ledger, engine, role, pin_team, costs)

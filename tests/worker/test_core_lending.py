@@ -13,15 +13,16 @@ from types import SimpleNamespace
 
 import pytest
 
+from services.cost_model import store
 from services.cost_model.step_cost import FEATURES, StepCost
 from services.worker import core_lending
 from services.worker.core_ledger import CoreLedger, worker_name
-from services.worker.core_lending import BORROWED_STEP_TOKENS, CoreLending
+from services.worker.core_lending import CoreLending
 
 
 class FakeEngine:
     def __init__(self) -> None:
-        self.scheduler = SimpleNamespace(max_step_prompt_tokens=None, step_budget=None)
+        self.scheduler = SimpleNamespace(borrowing=False, step_budget=None)
         self.costs_used: list[StepCost | None] = []
 
     def use_step_cost(self, cost: StepCost | None) -> None:
@@ -57,7 +58,7 @@ def test_an_idle_worker_lends_and_a_busy_one_borrows_then_gives_back_when_reclai
     assert prefill.held == [] and decode.ledger.holders()[0] is None and prefill_pins[-1] == []
     decode.before_step()  # busy: takes it, own CPUs first (the engine thread stays on CPU 1)
     assert decode_pins[-1] == [1, 2, 0] and decode.held == [1, 2, 0]
-    assert decode_engine.scheduler.max_step_prompt_tokens == BORROWED_STEP_TOKENS
+    assert decode_engine.scheduler.borrowing  # its steps kept short (scheduler's bound)
 
     # The prefill worker's queue fills: it waits for the decode worker's step to end.
     returned = threading.Event()
@@ -71,7 +72,7 @@ def test_an_idle_worker_lends_and_a_busy_one_borrows_then_gives_back_when_reclai
     prefill.before_step()
     assert prefill.held == [0] and prefill_pins[-1] == [0]
     assert decode.held == [1, 2] and decode_pins[-1] == [1, 2]
-    assert decode_engine.scheduler.max_step_prompt_tokens is None  # its own CPUs: no cap
+    assert not decode_engine.scheduler.borrowing  # its own CPUs: no bound
     assert prefill.ledger.holders() == {0: "prefill-0", 1: "decode-0", 2: "decode-0"}
 
 
@@ -139,3 +140,32 @@ def test_worker_name_drops_the_per_process_suffix():
     assert worker_name("prefill-12-abcdefabcdef") == "prefill-12"
     assert worker_name("my-engine") == "my-engine"
     assert worker_name("decode-0-notahexsuffix") == "decode-0-notahexsuffix"
+
+
+def test_open_lending_brings_the_saved_fits_to_a_prefill_worker_not_to_a_decode_worker_off(
+    ledger_path, tmp_path, monkeypatch
+):
+    """A prefill worker sizes no mixed steps, so no cost model was settled for it; core lending
+    still brings it the saved fits, so its steps on borrowed CPUs keep within BORROWED_STEP_S.
+    A decode worker whose --cost-model is off (no step budget) gets none."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    key = store.CostModelKey("cpu|test", "float32", "tiny")
+    fits = [StepCost(n, tuple(0.001 * (i + 1) / n for i in range(len(FEATURES)))) for n in (1, 2)]
+    store.save(key, fits)
+
+    def engine(engine_id: str) -> SimpleNamespace:
+        config = SimpleNamespace(engine_id=engine_id)
+        fake = FakeEngine()
+        return SimpleNamespace(
+            config=config, scheduler=fake.scheduler, cost_model_key=lambda: key,
+            use_step_cost=fake.use_step_cost,
+        )  # fmt: skip
+
+    prefill = core_lending.open_lending(str(ledger_path), engine("prefill-0"), "prefill")
+    decode_off = core_lending.open_lending(str(ledger_path), engine("decode-0"), "decode")
+    try:
+        assert prefill.costs == {1: fits[0], 2: fits[1]}
+        assert decode_off.costs == {}
+    finally:
+        prefill.ledger.close()
+        decode_off.ledger.close()

@@ -36,11 +36,14 @@ class FlowContext:
         prompt_ids: Sequence[int],
         cache_salt: str = "",
         ttft_objective_ms: float | None = None,
+        itl_objective_ms: float = 0.0,
+        tpot_objective_ms: float = 0.0,
     ) -> PathChoice:
         """The serving path of a prompt (`serving_path.py`), from the workers routing would
         pick now and what this router has in flight on them, for the request's TTFT objective
-        (milliseconds; None: the router's). A local choice names its decode worker
-        (`PathChoice.decode`), which the request then takes."""
+        (milliseconds; None: the router's) and the ITL / TPOT objectives its stream states
+        (milliseconds; 0: none), which size its local chunks (`WorkerView.for_stream`). A local
+        choice names its decode worker (`PathChoice.decode`), which the request then takes."""
         if self.paths.disaggregation != "auto":
             return self.paths.choose(PathLoad(len(prompt_ids)), None, None)
         try:
@@ -57,8 +60,14 @@ class FlowContext:
             local_queued=routing.local_queued[decode],
             decode_cached=decode_cached,
         )
-        views = self.pool.view(prefill), self.pool.view(decode)
-        choice = self.paths.choose(load, *views, self.calibration, ttft_objective_ms)
+        decode_view = self.pool.view(decode)
+        if decode_view is not None:
+            decode_view = decode_view.for_stream(
+                itl_objective_ms / 1000 or None, tpot_objective_ms / 1000 or None
+            )
+        choice = self.paths.choose(
+            load, self.pool.view(prefill), decode_view, self.calibration, ttft_objective_ms
+        )
         return choice.on(decode) if choice.path == "local" else choice
 
     def first_token(self, choice: PathChoice, seconds: float) -> None:

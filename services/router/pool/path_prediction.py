@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.cost_model import store
 from services.cost_model.step_cost import StepCost, StepShape
 from services.engine.config import EngineConfig
-from services.engine.step_budget import BORROWED_STEP_TOKENS, StepBudget, default_itl_s
+from services.engine.step_budget import BORROWED_STEP_S, StepBudget, default_itl_s
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,8 @@ class WorkerView:
     `lends`: it is on a core ledger (lends idle CPUs, borrows idle ones); `max_num_batched_tokens`
     caps a step's tokens; `slo_itl_s`: the default ITL objective its step budget keeps (seconds;
     None: `default_itl_s` of its running rows' decode step);
-    `max_num_seqs`: requests its engine runs at once.
+    `max_num_seqs`: requests its engine runs at once. (`slo_itl_s` math.inf: no ITL objective,
+    `for_stream`.)
     """
 
     costs: Mapping[int, StepCost] = field(default_factory=dict)
@@ -56,6 +57,17 @@ class WorkerView:
             )
         except (ValueError, KeyError, TypeError):
             return cls(costs)
+
+    def for_stream(self, itl_s: float | None, tpot_s: float | None) -> WorkerView:
+        """This worker as a stream stating these objectives (seconds; None: unstated) sees its
+        step budget, taking the streams already running there to state the same: the ITL
+        objective its chunks keep follows the engine's `stream_itl_s` (its own, else the
+        worker's, else none when it states a TPOT objective)."""
+        if itl_s is not None:
+            return replace(self, slo_itl_s=itl_s)
+        if self.slo_itl_s is None and tpot_s is not None:
+            return replace(self, slo_itl_s=math.inf)
+        return self
 
     def cost(self, threads: int) -> StepCost | None:
         """The fitted cost at `threads` (else the nearest fitted count below it, else the
@@ -99,11 +111,10 @@ def predict_remote(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> f
     plan = _remote_plan(prefill, decode, load)
     if plan is None:
         return None
-    cost, cap = plan
-    queue, _ = _chunked(cost, load.prefill_queued, 0, cap, ())
+    queue, _ = _chunked(plan, load.prefill_queued, 0, ())
     local = _local_plan(prefill, decode, load)
-    reclaim = _in_flight_s(local[0], load) if local is not None and local[2] else 0.0
-    return reclaim + queue + _remote_prompt_s(cost, cap, load)
+    reclaim = _in_flight_s(local.cost, load) if local is not None and local.borrows else 0.0
+    return reclaim + queue + _remote_prompt_s(plan, load)
 
 
 def predict_local(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float | None:
@@ -113,11 +124,9 @@ def predict_local(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> fl
     plan = _local_plan(prefill, decode, load)
     if plan is None:
         return None
-    cost, cap, _ = plan
-    contexts = _contexts(load)
-    queue, _ = _chunked(cost, load.local_queued, 0, cap, contexts, decode.slo_itl_s)
-    own, _ = _local_prompt(cost, cap, decode, load)
-    return _in_flight_s(cost, load) + queue + own
+    queue, _ = _chunked(plan, load.local_queued, 0, _contexts(load), decode.slo_itl_s)
+    own, _ = _local_prompt(plan, decode, load)
+    return _in_flight_s(plan.cost, load) + queue + own
 
 
 def stream_delay(path: str, prefill: WorkerView, decode: WorkerView, load: PathLoad) -> float:
@@ -134,61 +143,68 @@ def stream_delay(path: str, prefill: WorkerView, decode: WorkerView, load: PathL
     local = _local_plan(prefill, decode, load)
     if not rows or local is None:
         return 0.0
-    cost, cap, borrows = local
-    decode_step = cost.predict(StepShape(decode_contexts=_contexts(load)))
+    decode_step = local.cost.predict(StepShape(decode_contexts=_contexts(load)))
     if path == "local":
-        seconds, steps = _local_prompt(cost, cap, decode, load)
+        seconds, steps = _local_prompt(local, decode, load)
         return rows * max(seconds - steps * decode_step, 0.0)
     own = decode.cost(decode.threads)
     remote = _remote_plan(prefill, decode, load)
-    if not borrows or own is None or remote is None:
+    if not local.borrows or own is None or remote is None:
         return 0.0
     slower = own.predict(StepShape(decode_contexts=_contexts(load)))
-    return rows * _remote_prompt_s(*remote, load) * max(1.0 - decode_step / slower, 0.0)
+    return rows * _remote_prompt_s(remote, load) * max(1.0 - decode_step / slower, 0.0)
 
 
-def _remote_plan(
-    prefill: WorkerView, decode: WorkerView, load: PathLoad
-) -> tuple[StepCost, int] | None:
-    """The prefill worker's fitted cost and step cap for the prompt: on its own threads plus
-    the decode worker's when that one is idle and both lend; None without fitted costs."""
+@dataclass(frozen=True)
+class _Plan:
+    """How one worker would compute a prompt: its fitted `cost` at the threads it would hold,
+    `cap` tokens a step, each step predicted within `bound_s` when it `borrows` another
+    worker's CPUs (`BORROWED_STEP_S`, as the engine's scheduler keeps it)."""
+
+    cost: StepCost
+    cap: int
+    borrows: bool
+
+    @property
+    def bound_s(self) -> float:
+        return BORROWED_STEP_S if self.borrows else math.inf
+
+
+def _remote_plan(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> _Plan | None:
+    """The prefill worker's plan for the prompt: on its own threads plus the decode worker's
+    when that one is idle and both lend; None without fitted costs."""
     borrows = prefill.lends and decode.lends and not load.streaming and not load.local_queued
     threads = prefill.threads + (decode.threads if borrows else 0)
     cost = prefill.cost(threads) or decode.cost(threads)  # one machine: one fitted file
     if cost is None:
         return None
-    return cost, BORROWED_STEP_TOKENS if borrows else prefill.max_num_batched_tokens
+    return _Plan(cost, prefill.max_num_batched_tokens, bool(borrows))
 
 
-def _remote_prompt_s(cost: StepCost, cap: int, load: PathLoad) -> float:
+def _remote_prompt_s(plan: _Plan, load: PathLoad) -> float:
     """Predicted seconds of the prompt's uncached tokens on the prefill worker."""
     uncached = max(load.prompt_tokens - load.prefill_cached, 1)
-    seconds, _ = _chunked(cost, uncached, load.prefill_cached, cap, ())
+    seconds, _ = _chunked(plan, uncached, load.prefill_cached, ())
     return seconds
 
 
-def _local_plan(
-    prefill: WorkerView, decode: WorkerView, load: PathLoad
-) -> tuple[StepCost, int, bool] | None:
-    """The decode worker's fitted cost, step cap and whether it borrows the idle prefill
-    worker's threads (both lend, nothing queued there); None without fitted costs."""
+def _local_plan(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> _Plan | None:
+    """The decode worker's plan for the prompt: on its own threads plus the idle prefill
+    worker's when both lend and nothing is queued there; None without fitted costs."""
     borrows = decode.lends and prefill.lends and load.prefill_queued == 0
     threads = decode.threads + (prefill.threads if borrows else 0)
     cost = decode.cost(threads)
     if cost is None:
         return None
-    cap = min(decode.max_num_batched_tokens, BORROWED_STEP_TOKENS if borrows else math.inf)
-    return cost, int(cap), bool(borrows)
+    return _Plan(cost, decode.max_num_batched_tokens, bool(borrows))
 
 
-def _local_prompt(
-    cost: StepCost, cap: int, decode: WorkerView, load: PathLoad
-) -> tuple[float, int]:
+def _local_prompt(plan: _Plan, decode: WorkerView, load: PathLoad) -> tuple[float, int]:
     """Predicted seconds and steps of the prompt's tokens past the decode worker's cached
     prefix, in chunks beside its running streams."""
     cached = min(load.decode_cached, load.prompt_tokens - 1)  # the last token is always run
     tokens = load.prompt_tokens - cached
-    return _chunked(cost, tokens, cached, cap, _contexts(load), decode.slo_itl_s)
+    return _chunked(plan, tokens, cached, _contexts(load), decode.slo_itl_s)
 
 
 def _in_flight_s(cost: StepCost, load: PathLoad) -> float:
@@ -207,29 +223,30 @@ def _contexts(load: PathLoad) -> tuple[int, ...]:
 
 
 def _chunked(
-    cost: StepCost,
+    plan: _Plan,
     tokens: int,
     cached: int,
-    cap: int,
     contexts: tuple[int, ...],
     itl_s: float | None = math.inf,
 ) -> tuple[float, int]:
-    """Predicted seconds and steps to prefill `tokens` after `cached` in chunks of at most
-    `cap`, each step also carrying decode rows of `contexts` (then a chunk keeps `itl_s`, as the
-    engine's step budget sizes it, None: `default_itl_s` of those rows; the first chunk's size
-    serves for all)."""
+    """Predicted seconds and steps to prefill `tokens` after `cached` as `plan`'s worker would:
+    chunks of at most its cap, each step predicted within its bound and, carrying decode rows
+    of `contexts`, within `itl_s` (None: `default_itl_s` of those rows), each chunk sized at its
+    own position as the engine's step budget sizes it."""
     if tokens <= 0:
         return 0.0, 0
-    chunk = max(cap, 1)
+    budget = StepBudget(plan.cost)
+    limit = plan.bound_s
     if contexts:
-        budget = StepBudget(cost)
-        if itl_s is None:
-            itl_s = default_itl_s(budget.decode_step_s(contexts))
-        chunk = budget.prefill_tokens(contexts, cached, itl_s, chunk)
+        limit = min(
+            limit, default_itl_s(budget.decode_step_s(contexts)) if itl_s is None else itl_s
+        )
     total, done, steps = 0.0, 0, 0
     while done < tokens:
-        n = min(chunk, tokens - done)
-        total += cost.predict(StepShape(chunks=((n, cached + done),), decode_contexts=contexts))
+        chunk = budget.prefill_tokens(contexts, cached + done, limit, max(plan.cap, 1))
+        n = min(max(chunk, 1), tokens - done)
+        shape = StepShape(chunks=((n, cached + done),), decode_contexts=contexts)
+        total += plan.cost.predict(shape)
         done += n
         steps += 1
     return total, steps

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from services.cost_model import store
 from services.cost_model.step_cost import FEATURES, StepCost, StepShape
+from services.engine.step_budget import BORROWED_STEP_S, StepBudget
 from services.router.flow.context import FlowContext
 from services.router.pool.path_calibration import (
     CALIBRATION_BOUNDS,
@@ -56,6 +57,23 @@ def test_an_idle_pair_prefills_on_the_decode_worker_which_ships_no_kv():
     assert choice.local_s == pytest.approx(choice.remote_s)  # both borrow the other's CPU
 
 
+def test_on_borrowed_threads_a_prompt_is_predicted_in_steps_the_engine_bounds():
+    """An idle pair: the prefill worker would borrow the decode worker's thread, and its engine
+    then keeps each step within BORROWED_STEP_S; the prediction chunks the prompt the same way,
+    each chunk sized at its own position. A prefill worker that does not lend runs it whole."""
+    budget, done, expected, steps = StepBudget(COSTS[2]), 0, 0.0, 0
+    while done < 2048:
+        n = min(budget.prefill_tokens((), done, BORROWED_STEP_S, 2048), 2048 - done)
+        step = COSTS[2].predict(StepShape(chunks=((n, done),)))
+        assert step <= BORROWED_STEP_S
+        expected, done, steps = expected + step, done + n, steps + 1
+    assert steps > 2  # the whole prompt is predicted at 1.45 s on 2 threads
+    assert predict_remote(LENDER, LENDER, PathLoad(2048)) == pytest.approx(expected)
+    alone = WorkerView(COSTS, threads=1)
+    whole = COSTS[1].predict(StepShape(chunks=((2048, 0),)))
+    assert predict_remote(alone, alone, PathLoad(2048)) == pytest.approx(whole)
+
+
 def test_a_long_prompt_beside_streams_with_a_tight_itl_goes_to_the_prefill_pool():
     """Local chunks keep the streams' ITL objective (small chunks) and carry their rows every
     step; with a loose objective the decode worker, borrowing the idle prefill CPU, is faster."""
@@ -77,6 +95,20 @@ def test_without_an_itl_objective_local_chunks_keep_five_decode_steps_as_the_eng
         predict_local(LENDER, explicit, load)
     )
     assert predict_local(LENDER, relative, load) > predict_local(LENDER, LENDER, load)
+
+
+def test_a_stream_stating_tpot_but_no_itl_is_planned_without_an_itl_objective():
+    """As the engine's `stream_itl_s`: a request stating a TPOT objective and no ITL one (llm-d's
+    headers) plans local chunks by the streams' TPOT slack alone (math.inf here), its own ITL
+    objective wins, and a worker's configured --slo-itl-ms stays."""
+    relative = WorkerView(COSTS, threads=1, lends=True)
+    assert relative.for_stream(None, None) is relative
+    assert relative.for_stream(None, 0.05).slo_itl_s == math.inf
+    assert relative.for_stream(0.03, 0.05).slo_itl_s == 0.03
+    assert TIGHT.for_stream(None, 0.05).slo_itl_s == TIGHT.slo_itl_s
+    load = PathLoad(2048, decode_rows=8, decode_context=8 * 300)
+    unbounded = predict_local(LENDER, relative.for_stream(None, 0.05), load)
+    assert unbounded is not None and unbounded < predict_local(LENDER, relative, load)
 
 
 def test_a_busy_prefill_pool_sends_prompts_to_a_decode_worker_with_slack():
