@@ -9,8 +9,12 @@ step here (seconds):
         + g * chunk_cached
 
 - prefill_tokens: the prefill chunks' tokens (their share of the weight matmuls).
-- attention: the sum over prefill chunks of l * (cached + l), the chunk's queries times the keys
-  they attend to (sum(l^2) for fresh prompts, as DistServe's term).
+- attention: the (query, key) pairs the attention kernels compute for the prefill chunks: l^2 / 2
+  for a fresh prompt of l tokens (DistServe's sum(l^2) term, halved: the causal kernel skips the
+  blocks above the diagonal) and l * (cached + l) for a chunk after `cached` tokens (its masked
+  kernel computes the whole rectangle). With l * (cached + l) for both, a fit on 2 threads of an
+  AMX Xeon overpredicted a fresh 2,048-token prompt by 28% (895 against 646 ms) and
+  underpredicted chunks after a cached prefix by 12-16% (docs/benchmarks.md, 2026-12-07).
 - context: the sum over decode rows of their context length (the KV each one reads), divided by
   the rows' parallelism min(num_decodes, threads): the paged decode-attention kernel splits its
   work by rows, so one row's context is read by one thread however many the step has (a single
@@ -68,7 +72,7 @@ class StepShape:
     def features(self, threads: int = 1) -> tuple[float, ...]:
         """The model's inputs in FEATURES order, for a step run on `threads` threads."""
         prefill_tokens = sum(n for n, _ in self.chunks)
-        attention = sum(n * (cached + n) for n, cached in self.chunks)
+        attention = sum(n * n / 2 if not cached else n * (cached + n) for n, cached in self.chunks)
         rows = len(self.decode_contexts)
         context = sum(self.decode_contexts) / min(rows, threads) if rows else 0.0
         cached = sum(c for _, c in self.chunks)

@@ -16,7 +16,8 @@ from services.cost_model.step_cost import FEATURES, StepCost
 from services.cpu import cpu_info
 from services.env import cache_dir
 
-FORMAT = 3  # 2: context per thread; 3: a chunk's cached tokens (step_cost.FEATURES)
+FORMAT = 4  # 2: context per thread; 3: a chunk's cached tokens; 4: a fresh prompt's attention
+# halved (step_cost.FEATURES)
 
 
 @functools.cache  # the CPU does not change under a running process

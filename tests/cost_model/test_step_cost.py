@@ -27,7 +27,8 @@ def _steps(rng: random.Random, n: int) -> list[StepShape]:
 
 def test_features_of_a_mixed_step():
     shape = StepShape(chunks=((100, 0), (50, 200)), decode_contexts=(10, 30))
-    assert shape.features() == (1.0, 150, 100 * 100 + 50 * 250, 40, 2, 1.0, 200)
+    # a fresh prompt's causal kernel computes half its square, a chunk after a cache the rectangle
+    assert shape.features() == (1.0, 150, 100 * 100 / 2 + 50 * 250, 40, 2, 1.0, 200)
     # decode rows read their context in parallel up to one row per thread
     assert shape.features(threads=2)[3] == 20 and shape.features(threads=8)[3] == 20
     assert StepShape(decode_contexts=(64,)).features(threads=4)[3:] == (64, 1, 0.0, 0)
