@@ -6,7 +6,8 @@ adaptive rule without rerunning the sitting.
 
 One `pdserve serve` per system the rows need (this checkout's code, the sitting's dtype); by
 default the row given the workload's objectives as headers, then the row with pdserve's
-default objectives (`--rows`: any of the suite's pdserve rows), each at `RATE` req/s
+default objectives (`--rows`: any of the suite's rows; vLLM with its default settings, no
+pre-pass), each at `RATE` req/s
 for `COUNT` requests of the sitting's workload (seed 0, as the sitting's repeat 0), run to the
 end. Prints each row's attainment, latencies and the paths its requests took; writes
 benchmarks/results/suite_ab_<workload>_<rate>.json.
@@ -41,7 +42,7 @@ def main() -> int:
     parser.add_argument(
         "--rows",
         default="pdserve,pdserve-default-objectives",
-        help="the suite's rows to run, comma-separated (any but vllm)",
+        help="the suite's rows to run, comma-separated (vllm: its default settings)",
     )
     parser.add_argument("--json", type=Path, default=None, help="default: results/suite_ab_...")
     parser.add_argument(
@@ -57,10 +58,10 @@ def main() -> int:
     workload = SUITE[sitting_data["config"]["workload"]]
     dtype = bench_dtype(sitting_data["config"]["dtype"])
     asked = args.rows.split(",")
-    rows = [row for row in ROWS if row.name in asked and row.system != "vllm"]
+    rows = [row for row in ROWS if row.name in asked]
     if len(rows) != len(asked):
-        parser.error(f"--rows: {args.rows!r} names a row that is not one of pdserve's suite rows")
-    names = sorted({row.system for row in rows})
+        parser.error(f"--rows: {args.rows!r} names a row that is not one of the suite's")
+    names = sorted({row.system for row in rows}, key=lambda n: (n != "vllm", n))
     systems = start_systems(names, Path(sitting_data["config"]["vllm_venv"]), dtype)
     out: dict[str, dict] = {}
 
