@@ -77,7 +77,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         params = sampling_from_proto(request.sampling)
         prompt_ids, salt = list(request.prompt_token_ids), cache_salt(request.cache_salt)
         request_id, resumed = request.request_id, list(request.output_token_ids)
-        objectives = StreamObjectives.from_ms(request.itl_objective_ms, request.tpot_objective_ms)
+        objectives = StreamObjectives.from_ms(
+            request.itl_objective_ms, request.tpot_objective_ms, request.ttft_objective_ms
+        )
         if not request.HasField("kv_handle"):
             yield from self._prefill_here(
                 request_id, prompt_ids, params, salt, resumed, objectives, context

@@ -34,6 +34,7 @@ from services.engine.step_budget import (
     BORROWED_STEP_TOKENS,
     LiveScale,
     StepBudget,
+    prompt_deadline_s,
     streams_allow_s,
 )
 from services.kv_transfer.handle import KVHandle
@@ -94,8 +95,7 @@ class Scheduler:
         self.live_scale = LiveScale()  # observed / predicted seconds of recent mixed steps
         self.last_prefill_budget: int | None = None  # the last step's (None: uncapped)
         # set by core lending while this engine computes on borrowed CPUs: each step is kept
-        # within BORROWED_STEP_S (BORROWED_STEP_TOKENS without a cost model), so their owner
-        # gets them back after one short step
+        # within BORROWED_STEP_S, so their owner gets them back after one short step
         self.borrowing = False
 
     def add(self, request: Request) -> None:
@@ -132,9 +132,10 @@ class Scheduler:
 
     def _prefill_budget(self, cap: int, now: float) -> int:
         """Prompt tokens this step may compute besides its decode rows (`step_budget.py`): the
-        largest chunk whose predicted step time fits the tightest allowance among the streams
-        that decode in it (`streams_allow_s`) and BORROWED_STEP_S while `borrowing`; `cap`
-        without either. Without a cost model: `cap`, BORROWED_STEP_TOKENS while borrowing."""
+        largest chunk whose predicted step fits the tightest allowance of the streams decoding
+        in it (`streams_allow_s`), widened to what the next prompt's TTFT objective needs
+        (`prompt_deadline_s`), within BORROWED_STEP_S while `borrowing`; `cap` without these.
+        Without a cost model: `cap`, BORROWED_STEP_TOKENS while borrowing."""
         self.last_prefill_budget = None
         if self.step_budget is None:  # no cost model: nothing to compute on the hot path
             return min(cap, BORROWED_STEP_TOKENS) if self.borrowing else cap
@@ -144,21 +145,21 @@ class Scheduler:
         ]  # fmt: skip
         if not decodes and not self.borrowing:
             return cap
-        contexts = [r.num_tokens for r in decodes]
-        itl_ms = self.config.slo_itl_ms
-        step_s = (
-            streams_allow_s(
-                decodes, self.step_budget.decode_step_s(contexts),
-                None if itl_ms is None else itl_ms / 1000, self.config.slo_tpot_ms / 1000, now,
-            )
-            if decodes else math.inf
-        )  # fmt: skip
-        if self.borrowing:
-            step_s = min(step_s, BORROWED_STEP_S)
+        contexts, budget = [r.num_tokens for r in decodes], self.step_budget
+        itl = None if self.config.slo_itl_ms is None else self.config.slo_itl_ms / 1000
+        tpot, step_s = self.config.slo_tpot_ms / 1000, math.inf
+        if decodes:
+            step_s = streams_allow_s(decodes, budget.decode_step_s(contexts), itl, tpot, now)
         chunked = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         cached = chunked[0].num_computed_tokens if chunked else 0
-        step_s /= self.live_scale.ratio(self.step_budget.cost.threads)
-        tokens = self.step_budget.prefill_tokens(contexts, cached, step_s, cap - len(decodes))
+        prompt = chunked[0] if chunked else (self.waiting[0] if self.waiting else None)
+        if decodes and prompt is not None and prompt.objectives.ttft_s is not None:
+            need = prompt_deadline_s(budget, prompt, cached, decodes, itl, cap, now)
+            step_s = max(step_s, need)
+        if self.borrowing:
+            step_s = min(step_s, BORROWED_STEP_S)
+        step_s /= self.live_scale.ratio(budget.cost.threads)
+        tokens = budget.prefill_tokens(contexts, cached, step_s, cap - len(decodes))
         self.last_prefill_budget = tokens
         return tokens
 

@@ -117,6 +117,25 @@ def streams_allow_s(
     )
 
 
+def prompt_deadline_s(
+    budget: StepBudget, prompt: Any, cached: int, decodes: Sequence[Any], itl_s: float | None,
+    cap: int, now: float,
+) -> float:  # fmt: skip
+    """The step (seconds) `prompt` (a `Request` with a TTFT objective, `cached` of its tokens
+    computed) needs beside the rows of `decodes` to meet its objective
+    (`StepBudget.deadline_step_s`, at most `cap` tokens a step), within every stream's ITL
+    objective that was asked for (its own, else the engine's `itl_s`): a prompt's deadline
+    outweighs the streams' TPOT slack and the ITL default, never an ITL objective. 0.0 when
+    the deadline is lost."""
+    left = prompt.arrival_time + prompt.objectives.ttft_s - now
+    contexts = [r.num_tokens for r in decodes]
+    need = budget.deadline_step_s(
+        contexts, prompt.num_tokens - cached, cached, left, cap - len(decodes)
+    )
+    asked = (itl_s if r.objectives.itl_s is None else r.objectives.itl_s for r in decodes)
+    return min([need, *(a for a in asked if a is not None)])
+
+
 LIVE_SCALE_WEIGHT = 0.1
 """Weight of one observed mixed step in `LiveScale`'s running ratio (about the last 10 steps)."""
 LIVE_SCALE_BOUNDS = (0.5, 3.0)
@@ -174,6 +193,36 @@ class StepBudget:
         if not decode_contexts:
             return 0.0
         return self.cost.predict(StepShape(decode_contexts=tuple(decode_contexts)))
+
+    def deadline_step_s(
+        self, decode_contexts: Sequence[int], tokens: int, cached: int, time_left_s: float, cap: int
+    ) -> float:
+        """The shortest step (seconds) that still lets a prompt's remaining `tokens` (after
+        `cached`) reach its first token within `time_left_s`, cut into equal chunks of at most
+        `cap` beside decode rows of `decode_contexts`: the predicted step of the chunk that
+        takes the most steps still in time (each chunk costed at the prompt's middle position).
+        0.0 when even the fewest steps miss it (the deadline is lost: the streams keep their
+        allowance). SLOs-Serve (2025) plans prefill deadlines against decode slack the same
+        way, over a whole schedule."""
+        if tokens <= 0 or time_left_s <= 0 or cap <= 0:
+            return 0.0
+        decodes = tuple(decode_contexts)
+
+        def chunk(steps: int) -> int:
+            return math.ceil(tokens / steps)
+
+        def total_s(steps: int) -> float:
+            n = chunk(steps)
+            middle = cached + (tokens - n) // 2
+            return steps * self.cost.predict(StepShape(((n, middle),), decodes))
+
+        low, high = math.ceil(tokens / cap), max(math.ceil(tokens / self.min_chunk_tokens), 1)
+        if total_s(low) > time_left_s:
+            return 0.0
+        while low < high:  # more steps take longer in all (each pays the fixed cost): bisect
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if total_s(middle) <= time_left_s else (low, middle - 1)
+        return self.cost.predict(StepShape(((chunk(low), cached),), decodes))
 
     def prefill_tokens(
         self, decode_contexts: Sequence[int], cached: int, step_s: float, cap: int

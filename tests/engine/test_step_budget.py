@@ -175,6 +175,51 @@ def test_a_stream_stating_tpot_but_no_itl_is_bounded_by_its_tpot_slack_alone(tin
         assert_equivalent(outs[rid], hf_greedy(tiny_model, prompt, n), rid)
 
 
+def test_the_shortest_step_that_still_meets_a_prompts_deadline():
+    """FAKE: a step of n prompt tokens beside one row is 10 + n + 1 ms; 100 tokens in k equal
+    chunks take k * (11 + ceil(100 / k)) ms: 111, 122, 135, 144, ... ms (at most 7 steps of 16
+    tokens or more). The most steps within
+    the time left sets the chunk; none in time (even one step) gives 0.0 (the deadline is
+    lost), and the cap sets the fewest steps there can be."""
+    budget = StepBudget(FAKE)
+    assert budget.deadline_step_s((100,), 100, 0, 0.140, 1000) == pytest.approx(0.011 + 0.034)
+    assert budget.deadline_step_s((100,), 100, 0, 0.115, 1000) == pytest.approx(0.111)
+    assert budget.deadline_step_s((100,), 100, 0, 0.100, 1000) == 0.0
+    assert budget.deadline_step_s((100,), 100, 0, 1.000, 1000) == pytest.approx(0.026)  # 7 x 15
+    assert budget.deadline_step_s((100,), 100, 0, 0.115, 50) == 0.0  # two steps: 122 ms
+    assert budget.deadline_step_s((100,), 0, 0, 0.115, 1000) == 0.0  # nothing left to run
+
+
+def test_a_prompts_ttft_objective_widens_the_chunks_beside_streams(tiny_model):
+    """A 100-token prompt beside a stream without objectives: the ITL default (5 decode steps
+    of 51 ms) cuts it into 51 + 49. Given a TTFT objective that two steps would miss (one is
+    451 ms, two 502 ms), it runs whole; one already lost (300 ms) changes nothing; a stream's
+    own ITL objective (300 ms) still caps the step. Greedy output is unchanged."""
+    cost = StepCost(1, (0.050, 0.004, 0.0, 0.0, 0.001, 0.0, 0.0))
+
+    def chunks(ttft_s, itl_s=None):
+        engine = make_engine(tiny_model, num_blocks=256)
+        _use(engine, cost)
+        first, late = _prompts([20, 100])
+        engine.add_request(
+            first, SamplingParams(max_tokens=12, **GREEDY), request_id="first",
+            objectives=StreamObjectives(itl_s=itl_s),
+        )  # fmt: skip
+        engine.step()
+        params = SamplingParams(max_tokens=3, **GREEDY)
+        engine.add_request(
+            late, params, request_id="late", objectives=StreamObjectives(ttft_s=ttft_s)
+        )
+        outs, steps = run_to_completion(engine, {})
+        assert_equivalent(outs["late"], hf_greedy(tiny_model, late, 3), f"late {ttft_s}")
+        return [s["late"] for s in steps if s.get("late", 0) > 1]
+
+    assert chunks(None) == [51, 49]
+    assert chunks(0.48) == [100]
+    assert chunks(0.30) == [51, 49]
+    assert chunks(0.48, itl_s=0.3) == [62, 38]
+
+
 def test_the_live_ratio_learns_how_much_longer_mixed_steps_run_than_predicted():
     scale = LiveScale()
     assert scale.ratio(2) == 1.0

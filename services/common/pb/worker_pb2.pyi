@@ -60,7 +60,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_handle", "cache_salt", "output_token_ids", "itl_objective_ms", "tpot_objective_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_handle", "cache_salt", "output_token_ids", "itl_objective_ms", "tpot_objective_ms", "ttft_objective_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class DecodeRequest(_message.Message):
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ITL_OBJECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_OBJECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_OBJECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -77,7 +78,8 @@ class DecodeRequest(_message.Message):
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     itl_objective_ms: float
     tpot_objective_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., cache_salt: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., itl_objective_ms: _Optional[float] = ..., tpot_objective_ms: _Optional[float] = ...) -> None: ...
+    ttft_objective_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., cache_salt: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., itl_objective_ms: _Optional[float] = ..., tpot_objective_ms: _Optional[float] = ..., ttft_objective_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "kv_transfer_seconds", "logprobs", "num_cached_tokens", "queue_seconds", "compute_seconds")

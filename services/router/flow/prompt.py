@@ -10,6 +10,7 @@ vocabulary, max_model_len and the tokenizer.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,8 +88,23 @@ class PreparedRequest:
     tpot_objective_ms: float = 0.0
     """Sent to the decode worker: this stream's mean-TPOT objective (0: the worker's default)."""
     ttft_objective_ms: float | None = None
-    """Kept by the router: the TTFT objective its serving path is chosen for (None: the
-    router's default)."""
+    """The TTFT objective its serving path is chosen for (None: the router's default); on the
+    local path the decode worker is sent what is left of it (`ttft_left_ms`)."""
+
+    def path_objectives(self) -> tuple[float | None, float, float]:
+        """Its TTFT, ITL and TPOT objectives (milliseconds) as `FlowContext.choose_path` takes
+        them."""
+        return self.ttft_objective_ms, self.itl_objective_ms, self.tpot_objective_ms
+
+    def ttft_left_ms(self, since: float, default_ms: float | None, local: bool) -> float:
+        """What is left of its TTFT objective (else `default_ms`, the router's) at this moment,
+        counted from `since` (time.monotonic seconds: its path's choice), for the decode worker
+        prefilling it (`local`) to meet (milliseconds); 0.0 (none) on the remote path, without
+        an objective, or once it has passed."""
+        objective = self.ttft_objective_ms or default_ms
+        if not local or not objective:
+            return 0.0
+        return max(objective - (time.monotonic() - since) * 1000, 0.0)
 
 
 def prepare_request(request: GenerationRequest, model: ModelInfo) -> PreparedRequest:

@@ -80,7 +80,7 @@ class RequestRun:
         self.stats.on_started()
         prepared = self._prepare()
         self.choice = self.context.choose_path(
-            prepared.prompt_token_ids, prepared.cache_salt, *_objectives(prepared)
+            prepared.prompt_token_ids, prepared.cache_salt, *prepared.path_objectives()
         )
         self.chosen_at = time.monotonic()
         self.stats.on_path(self.choice)
@@ -108,7 +108,7 @@ class RequestRun:
         if resumed:  # the prompt and the tokens streamed so far, where they now fit best
             context = [*prepared.prompt_token_ids, *resumed]
             self.choice = self.context.choose_path(
-                context, prepared.cache_salt, *_objectives(prepared)
+                context, prepared.cache_salt, *prepared.path_objectives()
             )
         if self.choice.path == "local":  # the decode worker prefills it: no KV to ship
             yield from self._decode(prepared, None, text, resumed)
@@ -222,6 +222,9 @@ class RequestRun:
             resumed,
             prepared.itl_objective_ms,
             prepared.tpot_objective_ms,
+            prepared.ttft_left_ms(
+                self.chosen_at, self.context.paths.slo_ttft_ms, kv is None and not resumed
+            ),
         )
         try:  # decode_done on every path, a cancel before the call starts included
             self.scope.check()
@@ -291,8 +294,3 @@ class RequestRun:
             release_kv(self.context.pool.channel(source), request_id, source)
         except ValueError as exc:  # a malformed source address
             logger.warning("ReleaseKV(%s) at %r not sent: %s", request_id, source, exc)
-
-
-def _objectives(prepared: PreparedRequest) -> tuple[float | None, float, float]:
-    """The request's TTFT, ITL and TPOT objectives (milliseconds) as `choose_path` takes them."""
-    return prepared.ttft_objective_ms, prepared.itl_objective_ms, prepared.tpot_objective_ms

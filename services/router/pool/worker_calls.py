@@ -47,6 +47,8 @@ class WorkerRequest:
     """Decode only: the stream's ITL objective (0: the worker's default)."""
     tpot_objective_ms: float = 0.0
     """Decode only: the stream's mean-TPOT objective (0: the worker's default)."""
+    ttft_objective_ms: float = 0.0
+    """Decode on the local path only: the milliseconds left of the TTFT objective (0: none)."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,7 @@ def start_decode(
         **_request_fields(request),
         itl_objective_ms=request.itl_objective_ms,
         tpot_objective_ms=request.tpot_objective_ms,
+        ttft_objective_ms=request.ttft_objective_ms if kv is None else 0.0,
     )
     if kv is not None:
         message.kv_handle.CopyFrom(handle_to_proto(kv.handle, kv.source))

@@ -3,12 +3,14 @@ prompts name the field; text and chat prompts tokenize like the model's tokenize
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from services.engine.errors import InvalidRequestError
 from services.engine.sampling_params import SamplingParams
 from services.router.flow.messages import ChatMessage, GenerationRequest
-from services.router.flow.prompt import ModelInfo, prepare_request
+from services.router.flow.prompt import ModelInfo, PreparedRequest, prepare_request
 from tests.router.fakes import PROMPT, _flow_request
 
 
@@ -93,3 +95,19 @@ def test_text_and_chat_tokenize_like_the_tokenizer(model_info):
         add_special_tokens=False,
     )
     assert prepare_request(chat, model_info).prompt_token_ids == expected
+
+
+def test_what_is_left_of_the_ttft_objective_goes_to_a_local_prefill_only():
+    """The decode worker prefilling a prompt is sent the milliseconds left of its TTFT objective
+    (its own, else the router's --slo-ttft-ms) since its path was chosen; the remote path, a
+    request without an objective and one already past it send 0 (none)."""
+    params = SamplingParams(max_tokens=4)
+    request = PreparedRequest("r", [1, 2, 3], params, (), ttft_objective_ms=500)
+    chosen = time.monotonic() - 0.2
+    assert 250 < request.ttft_left_ms(chosen, None, local=True) <= 300
+    assert request.ttft_left_ms(chosen, None, local=False) == 0.0
+    assert request.ttft_left_ms(time.monotonic() - 1.0, None, local=True) == 0.0
+    none = PreparedRequest("r", [1, 2, 3], params, ())
+    assert none.ttft_left_ms(chosen, None, local=True) == 0.0
+    assert 750 < none.ttft_left_ms(chosen, 1000.0, local=True) <= 800
+    assert request.path_objectives() == (500, 0.0, 0.0)
