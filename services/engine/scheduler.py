@@ -154,7 +154,7 @@ class Scheduler:
         cached = chunked[0].num_computed_tokens if chunked else 0
         prompt = chunked[0] if chunked else (self.waiting[0] if self.waiting else None)
         if decodes and prompt is not None and prompt.objectives.ttft_s is not None:
-            need = prompt_deadline_s(budget, prompt, cached, decodes, itl, cap, now)
+            need = prompt_deadline_s(budget, prompt, cached, decodes, contexts, itl, cap, now)
             step_s = max(step_s, need)
         if self.borrowing:
             step_s = min(step_s, BORROWED_STEP_S)

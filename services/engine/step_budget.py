@@ -82,15 +82,20 @@ def allowed_step_s(
     return min(itl_s, max(slack, tpot_s))
 
 
+def asked_itl_s(objectives: Any, itl_s: float | None) -> float | None:
+    """The ITL objective (seconds) asked for a stream with `objectives`: its own, else the
+    engine's `itl_s` (`--slo-itl-ms`); None when neither asked one."""
+    return itl_s if objectives.itl_s is None else float(objectives.itl_s)
+
+
 def stream_itl_s(objectives: Any, itl_s: float | None, decode_step_s: float) -> float:
-    """A stream's ITL objective (seconds) for the step budget: its own; else the engine's
-    `itl_s` (`--slo-itl-ms`); else none (math.inf) when the stream states a TPOT objective
-    without an ITL one (llm-d's x-slo-ttft-ms / x-slo-tpot-ms: its client said what it needs,
-    and its TPOT slack alone bounds the step); else `default_itl_s` of `decode_step_s`."""
-    if objectives.itl_s is not None:
-        return float(objectives.itl_s)
-    if itl_s is not None:
-        return itl_s
+    """A stream's ITL objective (seconds) for the step budget: the one asked for
+    (`asked_itl_s`); else none (math.inf) when the stream states a TPOT objective without an
+    ITL one (llm-d's x-slo-ttft-ms / x-slo-tpot-ms: its client said what it needs, and its
+    TPOT slack alone bounds the step); else `default_itl_s` of `decode_step_s`."""
+    asked = asked_itl_s(objectives, itl_s)
+    if asked is not None:
+        return asked
     if objectives.tpot_s is not None:
         return math.inf
     return default_itl_s(decode_step_s)
@@ -118,21 +123,20 @@ def streams_allow_s(
 
 
 def prompt_deadline_s(
-    budget: StepBudget, prompt: Any, cached: int, decodes: Sequence[Any], itl_s: float | None,
-    cap: int, now: float,
+    budget: StepBudget, prompt: Any, cached: int, decodes: Sequence[Any],
+    contexts: Sequence[int], itl_s: float | None, cap: int, now: float,
 ) -> float:  # fmt: skip
     """The step (seconds) `prompt` (a `Request` with a TTFT objective, `cached` of its tokens
-    computed) needs beside the rows of `decodes` to meet its objective
-    (`StepBudget.deadline_step_s`, at most `cap` tokens a step), within every stream's ITL
-    objective that was asked for (its own, else the engine's `itl_s`): a prompt's deadline
-    outweighs the streams' TPOT slack and the ITL default, never an ITL objective. 0.0 when
-    the deadline is lost."""
+    computed) needs beside the rows of `decodes` (their contexts `contexts`) to meet its
+    objective (`StepBudget.deadline_step_s`, at most `cap` tokens a step), within every
+    stream's ITL objective that was asked for (`asked_itl_s`, the engine's `itl_s`): a
+    prompt's deadline outweighs the streams' TPOT slack and the ITL default, never an ITL
+    objective. 0.0 when the deadline is lost."""
     left = prompt.arrival_time + prompt.objectives.ttft_s - now
-    contexts = [r.num_tokens for r in decodes]
     need = budget.deadline_step_s(
         contexts, prompt.num_tokens - cached, cached, left, cap - len(decodes)
     )
-    asked = (itl_s if r.objectives.itl_s is None else r.objectives.itl_s for r in decodes)
+    asked = (asked_itl_s(r.objectives, itl_s) for r in decodes)
     return min([need, *(a for a in asked if a is not None)])
 
 

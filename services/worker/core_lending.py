@@ -214,9 +214,8 @@ def open_lending(path: str, engine: Engine, role: str) -> CoreLending:
     size and a worker on borrowed CPUs keeps each step within BORROWED_STEP_S: a decode
     worker's (unless its --cost-model is off), and a prefill worker's too (it sizes no mixed
     steps, so `settle_step_cost` gave it none; without a saved fit it keeps to
-    BORROWED_STEP_TOKENS). Raises OSError when
-    the ledger cannot be opened, ValueError naming core_ledger when it does not list this
-    worker."""
+    BORROWED_STEP_TOKENS). Raises OSError when the ledger cannot be opened, ValueError naming
+    core_ledger when it does not list this worker."""
     ledger = CoreLedger.open(path, worker_name(engine.config.engine_id))
     costs: dict[int, StepCost] = {}
     budget = engine.scheduler.step_budget
