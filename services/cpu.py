@@ -27,3 +27,10 @@ def native_bf16() -> bool:
     (docs/benchmarks.md). False where the flags are not readable."""
     flags = cpu_info().get("flags", "").split()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX bfloat16 tiles: where torch's CPU flash attention multiplies
+    bfloat16 blocks itself rather than through float32 BLAS (services/engine/attention/
+    blocked_prefill.py). False where the flags are not readable."""
+    return "amx_bf16" in cpu_info().get("flags", "").split()

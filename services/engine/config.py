@@ -98,7 +98,8 @@ class EngineConfig:
     enable_kv_events: bool = field(default=False, metadata=flag(cli=False))
     """Record prefix-cache events (blocks stored / removed) for `Engine.take_kv_events`."""
     attention_backend: str = field(default="auto", metadata=flag(choices=ATTENTION_BACKENDS))
-    """"torch_sdpa", "cpu_paged" (C++ decode kernel, CPU), "triton", "flex" (FlexAttention),
+    """"torch_sdpa", "cpu_paged" (C++ decode kernel and, without AMX, blocked bfloat16 prefill;
+    CPU), "triton", "flex" (FlexAttention),
     "flash_attn" (block_size a multiple of 256), or "auto": on the CPU cpu_paged when its kernel
     builds, else torch_sdpa; on CUDA flash_attn where it imports and the block size allows, else
     triton, else flex."""

@@ -22,15 +22,19 @@ class TorchSDPABackend(AttentionBackend):
         for seq in meta.prefills:
             if seq.context_len > seq.query_len:  # fresh prompts go by group below
                 rows = slice(seq.query_start, seq.query_start + seq.query_len)
-                out[rows] = _prefill_attention(query[rows], k_cache, v_cache, seq, scale)
+                out[rows] = self._cached_prefill(query[rows], k_cache, v_cache, seq, scale)
         for rows, num_seqs in meta.fresh_prefill_groups:  # one batched causal SDPA call per length
-            out[rows] = _fresh_prefill_attention(
-                query[rows], key[rows], value[rows], num_seqs, scale
-            )
+            out[rows] = self._fresh_prefill(query[rows], key[rows], value[rows], num_seqs, scale)
         if meta.num_decodes:
             rows = slice(meta.num_prefill_tokens, None)
             out[rows] = self._decode(query[rows], k_cache, v_cache, meta, scale)
         return out
+
+    def _fresh_prefill(self, q, k, v, num_seqs: int, scale: float) -> torch.Tensor:
+        return _fresh_prefill_attention(q, k, v, num_seqs, scale)
+
+    def _cached_prefill(self, q, k_cache, v_cache, seq: PrefillSeq, scale: float) -> torch.Tensor:
+        return _prefill_attention(q, k_cache, v_cache, seq, scale)
 
     def _decode(self, q, k_cache, v_cache, meta, scale):
         return _decode_attention(q, k_cache, v_cache, meta, scale)
@@ -50,19 +54,19 @@ def _prefill_attention(q, k_cache, v_cache, seq: PrefillSeq, scale: float) -> to
     """A chunk after `context_len - query_len` cached positions (chunked prefill, recompute):
     q [query_len, num_heads, head_dim] -> the same shape."""
     q = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
-    k, v = (_gather(cache, seq.block_table, seq.context_len) for cache in (k_cache, v_cache))
+    k, v = (gather(cache, seq.block_table, seq.context_len) for cache in (k_cache, v_cache))
+    k, v = (t.transpose(0, 1).unsqueeze(0) for t in (k, v))  # [1, num_kv_heads, context_len, D]
     q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)
     mask = torch.arange(seq.context_len, device=q.device)[None, :] <= q_pos[:, None]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """The first `context_len` positions of one request:
-    [1, num_kv_heads, context_len, head_dim]."""
+def gather(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """The first `context_len` positions of one request: [context_len, num_kv_heads, head_dim]
+    (a copy)."""
     num_kv_heads, head_dim = cache.shape[2:]
-    rows = cache.index_select(0, block_table).view(-1, num_kv_heads, head_dim)[:context_len]
-    return rows.transpose(0, 1).unsqueeze(0)
+    return cache.index_select(0, block_table).view(-1, num_kv_heads, head_dim)[:context_len]
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

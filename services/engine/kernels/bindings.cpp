@@ -12,6 +12,7 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
 void rotary_embedding(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin);
+void causal_softmax(torch::Tensor scores, double scale, int64_t first_position);
 // threads.cpp
 std::vector<int64_t> pin_omp_threads(const std::vector<int64_t>& cpu_ids);
 
@@ -21,5 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "In place: residual += x; x = RMSNorm(residual)");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up of [gate | up]");
   m.def("rotary_embedding", &rotary_embedding, "In place: rotate-half rotary embedding of q and k");
+  m.def("causal_softmax", &causal_softmax, "In place: each row's causal softmax of scale * scores");
   m.def("pin_omp_threads", &pin_omp_threads, "Pin the caller's OpenMP team, member i to CPU i");
 }

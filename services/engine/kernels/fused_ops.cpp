@@ -146,6 +146,23 @@ void silu_and_mul_rows(scalar_t* out, const scalar_t* gate_up, int64_t rows, int
   }
 }
 
+// One row of causal scores in place: the first `valid` entries become softmax(scale * x) (float32
+// max, exps and sum, each probability rounded once to the dtype, as transformers' eager attention
+// rounds softmax(scores, dtype=float32)), the rest 0 (the keys after the query's position).
+template <typename scalar_t>
+inline void causal_softmax_row(scalar_t* __restrict x, int64_t valid, int64_t n, float scale) {
+  float peak = -INFINITY;
+#pragma omp simd reduction(max : peak)
+  for (int64_t i = 0; i < valid; ++i) peak = std::max(peak, load(x[i]) * scale);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < valid; ++i) sum += exp_nonpositive(load(x[i]) * scale - peak);
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t i = 0; i < valid; ++i) x[i] = store<scalar_t>(exp_nonpositive(load(x[i]) * scale - peak) * inv);
+  for (int64_t i = valid; i < n; ++i) x[i] = store<scalar_t>(0.f);
+}
+
 // One head's rotation: x1 = x[:half], x2 = x[half:] (restrict-qualified, so GCC vectorises it).
 template <typename scalar_t>
 inline void rotate_head(scalar_t* __restrict x1, scalar_t* __restrict x2, const scalar_t* __restrict c1,
@@ -267,5 +284,28 @@ void rotary_embedding(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin) {
     using scalar_t = decltype(tag);
     rotary_rows<scalar_t>(ptr<scalar_t>(qk), qk.stride(0), ptr<scalar_t>(cos), ptr<scalar_t>(sin),
                           qk.size(0), qk.size(1), qk.size(2));
+  });
+}
+
+// In place on scores: [kv_heads, rows, group, keys] contiguous, the products of `rows` queries
+// (each with `group` heads) with `keys` keys, query r at position first_position + r seeing keys
+// 0 .. first_position + r. Each row becomes its causal softmax of scale * scores (float32
+// inside, rounded once to the dtype), zero past the query's position
+// (services/engine/attention/blocked_prefill.py).
+void causal_softmax(torch::Tensor scores, double scale, int64_t first_position) {
+  TORCH_CHECK(scores.device().is_cpu() && scores.is_contiguous() && scores.dim() == 4,
+              "causal_softmax: scores must be a contiguous CPU tensor [kv_heads, rows, group, keys]");
+  const int64_t heads = scores.size(0), rows = scores.size(1), group = scores.size(2), keys = scores.size(3);
+  TORCH_CHECK(first_position >= 0 && first_position + rows <= keys,
+              "causal_softmax: the rows' positions must lie within the keys");
+  dispatch(scores.scalar_type(), "causal_softmax", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* base = ptr<scalar_t>(scores);
+    const int64_t total = heads * rows * group;
+#pragma omp parallel for schedule(static)
+    for (int64_t line = 0; line < total; ++line) {
+      const int64_t r = (line / group) % rows;
+      causal_softmax_row<scalar_t>(base + line * keys, first_position + r + 1, keys, static_cast<float>(scale));
+    }
   });
 }
