@@ -16,8 +16,9 @@ from services.cost_model.step_cost import FEATURES, StepCost
 from services.cpu import cpu_info
 from services.env import cache_dir
 
-FORMAT = 4  # 2: context per thread; 3: a chunk's cached tokens; 4: a fresh prompt's attention
-# halved (step_cost.FEATURES)
+FORMAT = 5  # 2: context per thread; 3: a chunk's cached tokens; 4: a fresh prompt's attention
+# halved (step_cost.FEATURES); 5: bfloat16 prefill attention blocked on CPUs without AMX (its
+# steps' costs changed, so fits from before it are stale)
 
 
 @functools.cache  # the CPU does not change under a running process
