@@ -25,7 +25,7 @@ def native_bf16() -> bool:
     """Whether this CPU has native bfloat16 dot products (AVX-512 BF16 or AMX): where bfloat16
     is the fast mode; on AVX2-only CPUs oneDNN emulates it several times slower than float32
     (docs/benchmarks.md). False where the flags are not readable."""
-    flags = cpu_info().get("flags", "").split()
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -33,4 +33,9 @@ def has_amx() -> bool:
     """Whether this CPU has AMX bfloat16 tiles: where torch's CPU flash attention multiplies
     bfloat16 blocks itself rather than through float32 BLAS (services/engine/attention/
     blocked_prefill.py). False where the flags are not readable."""
-    return "amx_bf16" in cpu_info().get("flags", "").split()
+    return "amx_bf16" in cpu_flags()
+
+
+def cpu_flags() -> list[str]:
+    """The first CPU's /proc/cpuinfo flags (empty where not readable)."""
+    return cpu_info().get("flags", "").split()
