@@ -245,6 +245,12 @@ CORE_BORROWS = Counter(
     "pdserve_core_borrows", "Times this worker took another worker's lent CPUs for its steps.",
     ["role"],
 )  # fmt: skip
+CORE_MID_STEP_RETURNS = Counter(
+    "pdserve_core_mid_step_returns",
+    "Times this worker gave borrowed CPUs back to their reclaiming owner between two decoder "
+    "layers of a step (the step's remaining layers ran on fewer threads).",
+    ["role"],
+)
 CORE_LENT_SECONDS = Counter(
     "pdserve_core_lent_seconds",
     "Seconds this worker's own CPUs were lent (from its lend until it held them again).",
@@ -292,6 +298,7 @@ WORKER_COUNTERS = (
     PREFIX_CACHE_HITS,
     CORE_LENDS,
     CORE_BORROWS,
+    CORE_MID_STEP_RETURNS,
     CORE_LENT_SECONDS,
 )
 

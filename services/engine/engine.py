@@ -11,6 +11,7 @@ import functools
 import random
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -326,6 +327,13 @@ class Engine:
         """Size the prompt chunks of mixed steps by `cost` (the fitted step cost at this
         engine's thread count; `step_budget.py`); None: only max_num_batched_tokens caps them."""
         self.scheduler.step_budget = None if cost is None else StepBudget(cost)
+
+    def between_layers(self, hook: Callable[[], None] | None) -> None:
+        """Call `hook` on the stepping thread between every two decoder layers of each step's
+        forward (None: no call). It may change the thread's intra-op team (core lending gives
+        borrowed CPUs back there, so their owner waits one layer, not one step). Not called in a
+        CUDA-graph replay."""
+        self.runner.model.between_layers = hook
 
     @staticmethod
     def num_threads() -> int:

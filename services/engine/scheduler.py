@@ -18,7 +18,6 @@ now, ahead of the waiting queue, and lists their loads in `SchedulerOutput.remot
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -30,8 +29,6 @@ from services.engine.kv_cache import KVCache
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import SamplingRow, TokenLogprobs
 from services.engine.step_budget import (
-    BORROWED_STEP_S,
-    BORROWED_STEP_TOKENS,
     LiveScale,
     StepBudget,
     prompt_deadline_s,
@@ -94,9 +91,6 @@ class Scheduler:
         self.step_budget: StepBudget | None = None  # set once a cost model is known
         self.live_scale = LiveScale()  # observed / predicted seconds of recent mixed steps
         self.last_prefill_budget: int | None = None  # the last step's (None: uncapped)
-        # set by core lending while this engine computes on borrowed CPUs: each step is kept
-        # within BORROWED_STEP_S, so their owner gets them back after one short step
-        self.borrowing = False
 
     def add(self, request: Request) -> None:
         """Queue a request (first come, first served)."""
@@ -134,30 +128,26 @@ class Scheduler:
         """Prompt tokens this step may compute besides its decode rows (`step_budget.py`): the
         largest chunk whose predicted step fits the tightest allowance of the streams decoding
         in it (`streams_allow_s`), widened to what the next prompt's TTFT objective needs
-        (`prompt_deadline_s`), within BORROWED_STEP_S while `borrowing`; `cap` without these.
-        Without a cost model: `cap`, BORROWED_STEP_TOKENS while borrowing."""
+        (`prompt_deadline_s`); `cap` without these, or without a cost model."""
         self.last_prefill_budget = None
         if self.step_budget is None:  # no cost model: nothing to compute on the hot path
-            return min(cap, BORROWED_STEP_TOKENS) if self.borrowing else cap
+            return cap
         decodes = [
             r for r in self.running
             if r.status == RequestStatus.RUNNING and r.num_tokens - r.num_computed_tokens == 1
         ]  # fmt: skip
-        if not decodes and not self.borrowing:
+        if not decodes:
             return cap
         contexts, budget = [r.num_tokens for r in decodes], self.step_budget
         itl = None if self.config.slo_itl_ms is None else self.config.slo_itl_ms / 1000
-        tpot, step_s = self.config.slo_tpot_ms / 1000, math.inf
-        if decodes:
-            step_s = streams_allow_s(decodes, budget.decode_step_s(contexts), itl, tpot, now)
+        tpot = self.config.slo_tpot_ms / 1000
+        step_s = streams_allow_s(decodes, budget.decode_step_s(contexts), itl, tpot, now)
         chunked = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         cached = chunked[0].num_computed_tokens if chunked else 0
         prompt = chunked[0] if chunked else (self.waiting[0] if self.waiting else None)
-        if decodes and prompt is not None and prompt.objectives.ttft_s is not None:
+        if prompt is not None and prompt.objectives.ttft_s is not None:
             need = prompt_deadline_s(budget, prompt, cached, decodes, contexts, itl, cap, now)
             step_s = max(step_s, need)
-        if self.borrowing:
-            step_s = min(step_s, BORROWED_STEP_S)
         step_s /= self.live_scale.ratio(budget.cost.threads)
         tokens = budget.prefill_tokens(contexts, cached, step_s, cap - len(decodes))
         self.last_prefill_budget = tokens

@@ -20,16 +20,6 @@ from typing import Any
 from services.cost_model.step_cost import StepCost, StepShape
 
 MIN_CHUNK_TOKENS = 16  # a prompt always advances, even when a decode step alone misses the ITL
-BORROWED_STEP_S = 0.35
-"""Longest predicted step (seconds) of a worker computing on CPUs borrowed from another
-(`services/worker/core_lending.py`): the owner, its work back, waits at most one such step for
-them. A bound in time, not tokens, so a prompt's chunks stay long where they are cheap: at 256
-tokens a step, a 2,048-token prompt on two borrowed threads took 1.03 s against 0.72 s in one
-step (each chunk pays the weights' pass and a gather of the cached prefix again; AMX Xeon,
-bfloat16, docs/benchmarks.md, 2026-12-07)."""
-BORROWED_STEP_TOKENS = 256
-"""The same bound in prompt tokens, for a worker without a fitted cost model."""
-
 
 ITL_DECODE_STEPS = 5.0
 """The ITL objective of a stream that brings none, where the engine sets none either

@@ -129,6 +129,15 @@ class CoreLedger:
         with self._locked() as r:
             return bool((self._borrowed(r) & (r[:, 3] != 0)).any())
 
+    def reclaim_asked(self) -> bool:
+        """`reclaimed` without the lock, for a check between two layers of a step: a record is
+        one aligned int64 each, so a read sees a flag either set or not; a flag set just after
+        the read is seen at the next check."""
+        r = self._records
+        return any(
+            r[i, 2] == self.me and r[i, 1] != self.me and r[i, 3] != 0 for i in range(len(r))
+        )
+
     # -- what a worker does --------------------------------------------------------------------
 
     def lend(self) -> list[int]:

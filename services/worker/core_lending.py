@@ -10,10 +10,13 @@ CPU node the unit is a core.
 The rules that keep compute threads apart (the issue's "never two busy compute threads on one
 core"): a worker's team is pinned one thread per CPU it holds (`pin_thread_team`); it computes
 only after the ledger gives it those CPUs; a lender lends only once its team's threads sleep;
-a borrower releases a CPU only between steps, after shrinking its team off it (the docked thread
-stays asleep on that CPU and uses none of it). While it holds borrowed CPUs a worker's steps are
-predicted within `BORROWED_STEP_S` (the scheduler's `borrowing`), so an owner waits one short
-step, not a long prefill, for its CPUs.
+a borrower releases a CPU only between two decoder layers or two steps, after shrinking its team
+off it (the docked thread stays asleep on that CPU and uses none of it). So an owner whose work
+comes back waits one layer of the borrower's step for its CPUs (about 1/30 of a step of the
+default model), and a borrower's steps need no bound: a long prompt runs in one step on the
+borrowed CPUs, as fast as on a colocated engine, where a bound of 0.35 s a step had cut a
+2,048-token prompt into three chunks that took 1.35x as long (docs/benchmarks.md, "A tenth
+sitting").
 
 Runs on the engine thread only (`EngineLoop`).
 """
@@ -63,6 +66,7 @@ class CoreLending:
         self.held: list[int] = []
         self._pin = pin
         self._team: list[int] = []  # the team's thread ids (member 0: the engine thread)
+        self._borrows = False  # whether `held` has a CPU of another worker
         self._lent_at: float | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -97,6 +101,7 @@ class CoreLending:
         self.ledger.give_back(everything=True)
         self.ledger.lend()
         self.held = []
+        self._borrows = False
         self._lent_at = time.monotonic()
         metrics.CORE_LENDS.labels(self.role).inc()
         metrics.CORES_HELD.labels(self.role).set(0)
@@ -122,7 +127,20 @@ class CoreLending:
                 metrics.CORE_BORROWS.labels(self.role).inc()
             self._repin(held)
             metrics.CORES_HELD.labels(self.role).set(len(held))
-        self.engine.scheduler.borrowing = bool(set(held) - set(self.home))
+
+    def between_layers(self) -> None:
+        """Mid-step, between two decoder layers (`Engine.between_layers`): give back the
+        borrowed CPUs whose owners reclaim them, the team shrunk off them first, so the step's
+        remaining layers run on what is left. Borrows nothing. About a microsecond when no
+        owner asks (a read of the ledger's records without its lock)."""
+        if not self._borrows or not self.ledger.reclaim_asked():
+            return
+        self._wait_team_asleep()
+        held = self._home_first(self.ledger.settle(give_back=True, borrow=False))
+        if held != self.held:
+            self._repin(held)
+            metrics.CORE_MID_STEP_RETURNS.labels(self.role).inc()
+            metrics.CORES_HELD.labels(self.role).set(len(held))
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -150,6 +168,7 @@ class CoreLending:
         team = self._pin(held)
         self._team = list(team or [])
         self.held = held
+        self._borrows = bool(set(held) - set(self.home))
         if self.costs:  # the team's size changed: so did its steps' cost
             self.engine.use_step_cost(self._cost(len(held)))
         metrics.CORE_REPIN_SECONDS.labels(self.role).observe(time.perf_counter() - started)
@@ -211,11 +230,10 @@ def pin_team(cpus: list[int]) -> Sequence[int] | None:
 def open_lending(path: str, engine: Engine, role: str) -> CoreLending:
     """`engine`'s lending through the ledger at `path` (its name there: `worker_name`).
     The saved fits for every thread count come along, so the step budget follows the team's
-    size and a worker on borrowed CPUs keeps each step within BORROWED_STEP_S: a decode
-    worker's (unless its --cost-model is off), and a prefill worker's too (it sizes no mixed
-    steps, so `settle_step_cost` gave it none; without a saved fit it keeps to
-    BORROWED_STEP_TOKENS). Raises OSError when the ledger cannot be opened, ValueError naming
-    core_ledger when it does not list this worker."""
+    size: a decode worker's (unless its --cost-model is off), and a prefill worker's too (it
+    sizes no mixed steps, so `settle_step_cost` gave it none). The engine calls
+    `CoreLending.between_layers` in every step. Raises OSError when the ledger cannot be opened,
+    ValueError naming core_ledger when it does not list this worker."""
     ledger = CoreLedger.open(path, worker_name(engine.config.engine_id))
     costs: dict[int, StepCost] = {}
     budget = engine.scheduler.step_budget
@@ -226,4 +244,6 @@ def open_lending(path: str, engine: Engine, role: str) -> CoreLending:
             logger.warning("saved cost model unreadable: %s", exc)
     if budget is not None:
         costs.setdefault(len(ledger.home()), budget.cost)
-    return CoreLending(ledger, engine, role, pin_team, costs)
+    lending = CoreLending(ledger, engine, role, pin_team, costs)
+    engine.between_layers(lending.between_layers)
+    return lending

@@ -8,13 +8,11 @@ import random
 
 import pytest
 
-from services.cost_model.step_cost import StepCost, StepShape
+from services.cost_model.step_cost import StepCost
 from services.engine import SamplingParams
 from services.engine.errors import InvalidRequestError
 from services.engine.objectives import StreamObjectives
 from services.engine.step_budget import (
-    BORROWED_STEP_S,
-    BORROWED_STEP_TOKENS,
     ITL_DECODE_STEPS,
     LIVE_SCALE_BOUNDS,
     LIVE_SCALE_WEIGHT,
@@ -113,40 +111,6 @@ def test_without_an_itl_objective_a_stream_allows_five_of_its_decode_steps(tiny_
     assert [s["late"] for s in steps if s.get("late", 0) > 1] == [43, 43, 14]
     for rid, prompt, n in (("first", first, 30), ("late", late, 4)):
         assert_equivalent(outs[rid], hf_greedy(tiny_model, prompt, n), rid)
-
-
-def test_on_borrowed_cpus_each_step_is_kept_within_the_borrowed_bound(tiny_model):
-    """While core lending has this engine on another worker's CPUs, every step is predicted
-    within BORROWED_STEP_S, whether it carries decode rows or not (its owner waits for one such
-    step to get them back), and without a cost model a step takes BORROWED_STEP_TOKENS at
-    most. Each chunk is sized at its own position (attention over the cached part grows).
-    Greedy output is unchanged."""
-    prompt = _prompts([300])[0]
-    params = SamplingParams(max_tokens=3, **GREEDY)
-    engine = make_engine(tiny_model, num_blocks=256, max_num_batched_tokens=512)
-    engine.scheduler.borrowing = True  # no cost model
-    outs, steps = run_to_completion(engine, {"p": (prompt, params)})
-    chunks = [s["p"] for s in steps if s["p"] > 1]
-    assert chunks == [BORROWED_STEP_TOKENS, 300 - BORROWED_STEP_TOKENS]
-    # 1 ms a prompt token and 1 us per (query, key) pair on top of a 10 ms step
-    cost = StepCost(1, (0.010, 0.001, 1e-6, 0.0, 0.001, 0.0, 0.0))
-    engine = make_engine(tiny_model, num_blocks=256, max_num_batched_tokens=512)
-    _use(engine, cost)
-    engine.scheduler.borrowing = True
-    outs_bounded, steps = run_to_completion(engine, {"p": (prompt, params)})
-    chunks = [s["p"] for s in steps if s["p"] > 1]
-    done = [sum(chunks[:i]) for i in range(len(chunks))]
-    for n, cached in zip(chunks[:-1], done, strict=False):  # the largest that fits
-        assert cost.predict(StepShape(chunks=((n, cached),))) <= BORROWED_STEP_S
-        assert cost.predict(StepShape(chunks=((n + 1, cached),))) > BORROWED_STEP_S
-    assert sum(chunks) == 300 and chunks == sorted(chunks, reverse=True) and len(chunks) > 1
-    engine.scheduler.borrowing = False  # its own CPUs again: the cap alone
-    engine.add_request(_prompts([300], seed=4)[0], params, request_id="q")
-    engine.step()
-    assert engine.last_forward_tokens == {"q": 300}
-    reference = hf_greedy(tiny_model, prompt, 3)
-    assert_equivalent(outs["p"], reference, "no cost model")
-    assert_equivalent(outs_bounded["p"], reference, "bounded")
 
 
 def test_a_stream_stating_tpot_but_no_itl_is_bounded_by_its_tpot_slack_alone(tiny_model):

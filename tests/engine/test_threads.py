@@ -13,7 +13,7 @@ import torch
 
 from services.engine import SamplingParams
 from services.engine.threads import pin_thread_team, set_thread_threads
-from tests.engine.helpers import GREEDY, make_engine
+from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 
 CPUS = sorted(os.sched_getaffinity(0))
 
@@ -105,3 +105,38 @@ def test_a_pinned_team_never_puts_two_running_members_on_one_cpu():
     assert found["one"] == [[cpus[1]]]
     with pytest.raises(ValueError, match="cpus: need distinct CPUs"):
         pin_thread_team([cpus[0], cpus[0]])
+
+
+def test_a_hook_between_layers_may_resize_the_team_mid_step(tiny_llama):
+    """`Engine.between_layers`: called between every two decoder layers of each step's forward,
+    on the stepping thread; a hook that shrinks the team from two threads to one mid-step (what
+    core lending does when an owner reclaims its CPU) leaves greedy output as it was."""
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    prompt = list(range(5, 60))
+
+    def run(hook_factory):
+        def body():
+            set_thread_threads(2)
+            engine = make_engine(tiny_llama, num_blocks=64)
+            calls: list[int] = []
+            engine.between_layers(hook_factory(calls))
+            outs, steps = run_to_completion(engine, {"r": (prompt, params)})
+            return outs["r"], calls, len(steps), len(engine.runner.model.layers)
+
+        return _on_a_thread(body)
+
+    baseline, _, _, _ = run(lambda calls: None)
+
+    def shrinking(calls):
+        def hook() -> None:
+            calls.append(torch.get_num_threads())
+            if len(calls) == 1:
+                set_thread_threads(1)  # the rest of this step, and later steps, on one thread
+
+        return hook
+
+    tokens, calls, steps, layers = run(shrinking)
+    assert layers > 1
+    assert len(calls) == steps * (layers - 1)
+    assert calls[0] == 2 and set(calls[1:]) == {1}
+    assert tokens == baseline

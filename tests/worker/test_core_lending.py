@@ -1,6 +1,6 @@
 """Core lending's controller on one ledger, with fake engines and a fake team pin: an idle worker
-lends, a busy one borrows and widens its team (own CPUs first), caps its steps while borrowing,
-gives back between steps when the owner's queue fills, and an owner takes back CPUs whose
+lends, a busy one borrows and widens its team (own CPUs first), gives back between steps or
+between two layers of a step when the owner's queue fills, and an owner takes back CPUs whose
 borrower died."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from services.worker.core_lending import CoreLending
 
 class FakeEngine:
     def __init__(self) -> None:
-        self.scheduler = SimpleNamespace(borrowing=False, step_budget=None)
+        self.scheduler = SimpleNamespace(step_budget=None)
         self.costs_used: list[StepCost | None] = []
 
     def use_step_cost(self, cost: StepCost | None) -> None:
@@ -58,7 +58,6 @@ def test_an_idle_worker_lends_and_a_busy_one_borrows_then_gives_back_when_reclai
     assert prefill.held == [] and decode.ledger.holders()[0] is None and prefill_pins[-1] == []
     decode.before_step()  # busy: takes it, own CPUs first (the engine thread stays on CPU 1)
     assert decode_pins[-1] == [1, 2, 0] and decode.held == [1, 2, 0]
-    assert decode_engine.scheduler.borrowing  # its steps kept short (scheduler's bound)
 
     # The prefill worker's queue fills: it waits for the decode worker's step to end.
     returned = threading.Event()
@@ -72,8 +71,39 @@ def test_an_idle_worker_lends_and_a_busy_one_borrows_then_gives_back_when_reclai
     prefill.before_step()
     assert prefill.held == [0] and prefill_pins[-1] == [0]
     assert decode.held == [1, 2] and decode_pins[-1] == [1, 2]
-    assert not decode_engine.scheduler.borrowing  # its own CPUs: no bound
     assert prefill.ledger.holders() == {0: "prefill-0", 1: "decode-0", 2: "decode-0"}
+
+
+def test_a_borrower_gives_back_between_two_layers_of_its_step(ledger_path):
+    """An owner whose work comes back waits one layer, not the borrower's whole step: between two
+    layers the borrower shrinks its team to its own CPUs and releases the reclaimed one; with no
+    owner asking, the check changes nothing."""
+    prefill, _, prefill_pins = make(ledger_path, "prefill-0")
+    decode, _, decode_pins = make(ledger_path, "decode-0")
+    prefill.start()
+    decode.start()
+    prefill.idle()
+    decode.before_step()
+    assert decode.held == [1, 2, 0]
+    pins = len(decode_pins)
+    decode.between_layers()  # nobody asks: nothing moves
+    assert len(decode_pins) == pins and decode.held == [1, 2, 0]
+
+    returned = threading.Event()
+    waiter = threading.Thread(target=lambda: (prefill.reclaim(), returned.set()))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while not decode.ledger.reclaim_asked() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not returned.is_set()  # mid-layer: the owner waits
+    decode.between_layers()  # the next layer boundary of the same step
+    waiter.join(timeout=5)
+    assert returned.is_set()
+    assert decode.held == [1, 2] and decode_pins[-1] == [1, 2]
+    prefill.before_step()
+    assert prefill.held == [0] and prefill_pins[-1] == [0]
+    decode.between_layers()  # its own CPUs only: nothing to give back
+    assert decode_pins[-1] == [1, 2] and len(decode_pins) == pins + 1
 
 
 def test_a_lender_that_is_lent_already_does_nothing_more(ledger_path):
@@ -153,12 +183,15 @@ def test_open_lending_brings_the_saved_fits_to_a_prefill_worker_not_to_a_decode_
     fits = [StepCost(n, tuple(0.001 * (i + 1) / n for i in range(len(FEATURES)))) for n in (1, 2)]
     store.save(key, fits)
 
+    hooks: dict = {}
+
     def engine(engine_id: str) -> SimpleNamespace:
         config = SimpleNamespace(engine_id=engine_id)
         fake = FakeEngine()
         return SimpleNamespace(
             config=config, scheduler=fake.scheduler, cost_model_key=lambda: key,
             use_step_cost=fake.use_step_cost,
+            between_layers=lambda hook: hooks.__setitem__(engine_id, hook),
         )  # fmt: skip
 
     prefill = core_lending.open_lending(str(ledger_path), engine("prefill-0"), "prefill")
@@ -166,6 +199,8 @@ def test_open_lending_brings_the_saved_fits_to_a_prefill_worker_not_to_a_decode_
     try:
         assert prefill.costs == {1: fits[0], 2: fits[1]}
         assert decode_off.costs == {}
+        # each engine gives borrowed CPUs back between its layers
+        assert hooks == {"prefill-0": prefill.between_layers, "decode-0": decode_off.between_layers}
     finally:
         prefill.ledger.close()
         decode_off.ledger.close()

@@ -10,7 +10,7 @@ decode step is a few small matmuls per layer, and every matmul call saved is ove
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
@@ -86,6 +86,9 @@ class PagedLlamaForCausalLM(nn.Module):
             (self.num_heads + self.num_kv_heads) * self.head_dim,
             self.num_kv_heads * self.head_dim,
         ]
+        # called on the stepping thread between two decoder layers of every forward (core
+        # lending gives borrowed CPUs back there: `Engine.between_layers`)
+        self.between_layers: Callable[[], None] | None = None
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         return KVCacheSpec(len(self.layers), self.num_kv_heads, self.head_dim, block_size, dtype)
@@ -111,10 +114,13 @@ class PagedLlamaForCausalLM(nn.Module):
         # The residual stream is carried beside the layer's output and added in each norm
         # (vLLM's fused_add_rms_norm): residual + hidden, then the norm of that sum.
         residual = hidden
+        between = self.between_layers
         for layer_idx, layer in enumerate(cast("Iterable[FusedDecoderLayer]", self.layers)):
             if layer_idx == 0:
                 hidden = ops.rms_norm(hidden, layer.input_layernorm)
             else:
+                if between is not None:
+                    between()
                 hidden, residual = ops.add_rms_norm(hidden, residual, layer.input_layernorm)
             hidden = self._attention(layer, hidden, cos, sin, kv_cache, layer_idx, meta)
             hidden, residual = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from services.cost_model import store
 from services.cost_model.step_cost import StepCost, StepShape
 from services.engine.config import EngineConfig
-from services.engine.step_budget import BORROWED_STEP_S, StepBudget, default_itl_s
+from services.engine.step_budget import StepBudget, default_itl_s
 
 
 @dataclass(frozen=True)
@@ -157,17 +157,12 @@ def stream_delay(path: str, prefill: WorkerView, decode: WorkerView, load: PathL
 
 @dataclass(frozen=True)
 class _Plan:
-    """How one worker would compute a prompt: its fitted `cost` at the threads it would hold,
-    `cap` tokens a step, each step predicted within `bound_s` when it `borrows` another
-    worker's CPUs (`BORROWED_STEP_S`, as the engine's scheduler keeps it)."""
+    """How one worker would compute a prompt: its fitted `cost` at the threads it would hold
+    (its own, plus another worker's when it `borrows` them), `cap` tokens a step."""
 
     cost: StepCost
     cap: int
     borrows: bool
-
-    @property
-    def bound_s(self) -> float:
-        return BORROWED_STEP_S if self.borrows else math.inf
 
 
 def _remote_plan(prefill: WorkerView, decode: WorkerView, load: PathLoad) -> _Plan | None:
@@ -230,17 +225,15 @@ def _chunked(
     itl_s: float | None = math.inf,
 ) -> tuple[float, int]:
     """Predicted seconds and steps to prefill `tokens` after `cached` as `plan`'s worker would:
-    chunks of at most its cap, each step predicted within its bound and, carrying decode rows
-    of `contexts`, within `itl_s` (None: `default_itl_s` of those rows), each chunk sized at its
-    own position as the engine's step budget sizes it."""
+    chunks of at most its cap, each step carrying decode rows of `contexts` predicted within
+    `itl_s` (None: `default_itl_s` of those rows), each chunk sized at its own position as the
+    engine's step budget sizes it."""
     if tokens <= 0:
         return 0.0, 0
     budget = StepBudget(plan.cost)
-    limit = plan.bound_s
+    limit = math.inf
     if contexts:
-        limit = min(
-            limit, default_itl_s(budget.decode_step_s(contexts)) if itl_s is None else itl_s
-        )
+        limit = default_itl_s(budget.decode_step_s(contexts)) if itl_s is None else itl_s
     total, done, steps = 0.0, 0, 0
     while done < tokens:
         chunk = budget.prefill_tokens(contexts, cached + done, limit, max(plan.cap, 1))

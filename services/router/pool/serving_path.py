@@ -14,7 +14,7 @@ these it predicts (seconds):
   cached prefix in chunks. With
   streams running each chunk is the largest whose step keeps the ITL objective (the engine's own
   `StepBudget`, on the same fitted cost), and every step carries the running rows; with none it
-  borrows an idle prefill worker's threads, each step predicted within `BORROWED_STEP_S`.
+  borrows an idle prefill worker's threads and takes the prompt in one step.
 
 Each prediction is scaled by the ratio of observed to predicted first-token times of that path's
 recent requests (`PathCalibration`, returning to 1 within seconds without new ones): what the
