@@ -15,10 +15,11 @@ step here (seconds):
   kernel computes the whole rectangle). With l * (cached + l) for both, a fit on 2 threads of an
   AMX Xeon overpredicted a fresh 2,048-token prompt by 28% (895 against 646 ms) and
   underpredicted chunks after a cached prefix by 12-16% (docs/benchmarks.md, 2026-12-07).
-- context: the sum over decode rows of their context length (the KV each one reads), divided by
-  the rows' parallelism min(num_decodes, threads): the paged decode-attention kernel splits its
-  work by rows, so one row's context is read by one thread however many the step has (a single
-  2,048-token row took twice as long per token of context as 16 rows did on 2 threads).
+- context: the decode rows' context (the KV each one reads) that the busiest thread of the
+  paged decode-attention kernel reads, as the kernel splits it (`busiest_thread_context`):
+  by rows when there is one a thread or more, else in parts of at least 256 positions. Summed
+  context over min(rows, threads) fitted the kernel when it split by rows alone (a single
+  2,048-token row then took twice as long per token of context as 16 rows on 2 threads).
 - num_decodes: decode rows (one token each through the weights, sampling, per-row overhead).
 - has_chunk: 1 when the step runs a prefill chunk. A decode-only step is bound by reading the
   weights once, a step with a chunk by its matmuls: with one intercept for both, a fit over
@@ -74,9 +75,38 @@ class StepShape:
         prefill_tokens = sum(n for n, _ in self.chunks)
         attention = sum(n * n / 2 if not cached else n * (cached + n) for n, cached in self.chunks)
         rows = len(self.decode_contexts)
-        context = sum(self.decode_contexts) / min(rows, threads) if rows else 0.0
+        context = busiest_thread_context(self.decode_contexts, threads)
         cached = sum(c for _, c in self.chunks)
         return (1.0, prefill_tokens, attention, context, rows, float(bool(self.chunks)), cached)
+
+
+DECODE_MIN_PART = 256  # the paged decode kernel's kMinPart (services/engine/kernels)
+DECODE_PART_ALIGN = 16  # parts are whole blocks of the default block size
+
+
+def busiest_thread_context(contexts: Sequence[int], threads: int) -> float:
+    """Context positions (tokens) the busiest of `threads` threads reads in the C++ paged decode
+    kernel for decode rows of `contexts`, split as the kernel splits them: with a row a thread or
+    more, whole rows in consecutive runs (OpenMP's static schedule: the first len % threads
+    threads take one row more); with fewer, parts of each row of max(DECODE_MIN_PART,
+    total / (2 threads)) positions, each thread taking the next part as it finishes one
+    (the dynamic schedule, taken here as the least loaded thread taking it)."""
+    if not contexts:
+        return 0.0
+    if len(contexts) >= threads:
+        base, extra = divmod(len(contexts), threads)
+        loads, start = [], 0
+        for t in range(threads):
+            size = base + (1 if t < extra else 0)
+            loads.append(sum(contexts[start : start + size]))
+            start += size
+        return float(max(loads))
+    want = max(DECODE_MIN_PART, -(-sum(contexts) // (2 * threads)))
+    part = -(-want // DECODE_PART_ALIGN) * DECODE_PART_ALIGN
+    loads = [0] * threads
+    for item in (min(part, c - first) for c in contexts for first in range(0, c, part)):
+        loads[loads.index(min(loads))] += item
+    return float(max(loads))
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ from services.cost_model.step_cost import FEATURES, StepCost
 from services.cpu import cpu_info
 from services.env import cache_dir
 
-FORMAT = 5  # 2: context per thread; 3: a chunk's cached tokens; 4: a fresh prompt's attention
+FORMAT = 6  # 2: context per thread; 3: a chunk's cached tokens; 4: a fresh prompt's attention
 # halved (step_cost.FEATURES); 5: bfloat16 prefill attention blocked on CPUs without AMX (its
-# steps' costs changed, so fits from before it are stale)
+# steps' costs changed, so fits from before it are stale); 6: decode attention split over a
+# row's context (the context feature follows the kernel's split)
 
 
 @functools.cache  # the CPU does not change under a running process

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.cost_model.step_cost import StepCost, StepShape, fit
+from services.cost_model.step_cost import StepCost, StepShape, busiest_thread_context, fit
 
 # Seconds per unit: a 135M-model-like CPU engine (2 ms fixed, 0.4 ms a token, attention and
 # context small, 0.1 ms a decode row, 2 us a cached token a chunk reads).
@@ -29,9 +29,23 @@ def test_features_of_a_mixed_step():
     shape = StepShape(chunks=((100, 0), (50, 200)), decode_contexts=(10, 30))
     # a fresh prompt's causal kernel computes half its square, a chunk after a cache the rectangle
     assert shape.features() == (1.0, 150, 100 * 100 / 2 + 50 * 250, 40, 2, 1.0, 200)
-    # decode rows read their context in parallel up to one row per thread
-    assert shape.features(threads=2)[3] == 20 and shape.features(threads=8)[3] == 20
+    # short rows: one part each, a thread each
+    assert shape.features(threads=2)[3] == 30 and shape.features(threads=8)[3] == 30
     assert StepShape(decode_contexts=(64,)).features(threads=4)[3:] == (64, 1, 0.0, 0)
+
+
+def test_the_context_feature_follows_the_decode_kernels_split():
+    """The busiest thread's context: whole rows in consecutive runs from one a thread, else parts
+    of at least 256 positions (whole 16-token blocks), each to the thread free first."""
+    assert busiest_thread_context((), 2) == 0.0
+    assert busiest_thread_context((2048,), 1) == 2048
+    assert busiest_thread_context((2048,), 2) == 1024  # 4 parts of 512, two a thread
+    assert busiest_thread_context((300,), 2) == 256  # parts of 256 and 44
+    assert busiest_thread_context((100, 200, 300, 400), 2) == 700  # rows: 100+200 | 300+400
+    assert busiest_thread_context((100, 200, 300), 2) == 300  # 100+200 | 300
+    assert busiest_thread_context((2048, 16), 2) == 2048  # a row a thread: whole rows
+    # fewer rows than threads: parts of 352 (2,064 / 6, in whole blocks), two on the busiest
+    assert busiest_thread_context((2048, 16), 3) == 704
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.02])

@@ -86,6 +86,38 @@ def test_kernel_matches_dense_attention(dtype, num_heads, num_kv_heads, block_si
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "context_lens,head_dim", [([2048], 64), ([1, 700, 1300], 64), ([900, 5], 80), ([300], 128)]
+)
+def test_kernel_splits_long_contexts_into_parts_across_threads(threads, context_lens, head_dim):
+    """Fewer requests than threads: each context is cut into parts of whole blocks, computed
+    apart and merged by their softmax maxima and sums; the result is the dense one at any thread
+    count, whole rows or parts."""
+    import threading
+
+    from services.engine.threads import set_thread_threads
+
+    q, k_cache, v_cache, tables, expected = _case(
+        torch.float32, 9, 3, 16, context_lens, head_dim=head_dim
+    )
+    out = torch.empty_like(q)
+
+    def run() -> None:
+        set_thread_threads(threads)
+        load_cpu_kernels().paged_decode_attention(
+            out, q, k_cache, v_cache, _meta(tables, context_lens, 16).decode_block_tables,
+            torch.tensor(context_lens), head_dim**-0.5,
+        )  # fmt: skip
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert not out.isnan().any(), "the kernel read a position outside a request's context"
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize(
     "head_dim", [32, 128, 80]
 )  # 64 and 128 have unrolled paths, the rest a generic one
