@@ -127,16 +127,20 @@ class CoreLedger:
     def reclaimed(self) -> bool:
         """Whether an owner wants back a CPU this worker borrowed (give it back after the step)."""
         with self._locked() as r:
-            return bool((self._borrowed(r) & (r[:, 3] != 0)).any())
+            return self._asked_back(r)
 
     def reclaim_asked(self) -> bool:
         """`reclaimed` without the lock, for a check between two layers of a step: a record is
         one aligned int64 each, so a read sees a flag either set or not; a flag set just after
         the read is seen at the next check."""
-        r = self._records
-        return any(
-            r[i, 2] == self.me and r[i, 1] != self.me and r[i, 3] != 0 for i in range(len(r))
-        )
+        return self._asked_back(self._records)
+
+    def _asked_back(self, r: np.ndarray) -> bool:
+        """Whether a CPU this worker holds and does not own has its owner's reclaim flag set. A
+        loop over the few records: a quarter of the numpy masks' time (0.7 against 2.7 us),
+        which counts between every two layers of a borrower's step."""
+        me = self.me
+        return any(r[i, 2] == me and r[i, 1] != me and r[i, 3] != 0 for i in range(len(r)))
 
     # -- what a worker does --------------------------------------------------------------------
 

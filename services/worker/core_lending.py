@@ -77,7 +77,6 @@ class CoreLending:
         self.ledger.recover()
         self._reclaim()
         self._repin(self._home_first(self.ledger.held()))
-        metrics.CORES_HELD.labels(self.role).set(len(self.held))
         logger.info(
             "core lending on (%s): own CPUs %s; idle, this worker lends them, busy, it borrows "
             "free ones", self.ledger.path, self.home,
@@ -118,7 +117,7 @@ class CoreLending:
         """Between two steps of a busy worker that holds its own CPUs (`reclaim`): give back
         what owners reclaim, borrow free CPUs, and resize the team when what it holds changed
         (under the compute thread name: a team thread started here keeps it)."""
-        give_back = bool(set(self.held) - set(self.home)) and self.ledger.reclaimed()
+        give_back = self._borrows and self.ledger.reclaimed()
         if give_back:  # its team threads on those CPUs first stop spinning (~0.1 ms)
             self._wait_team_asleep()
         held = self._home_first(self.ledger.settle(give_back=give_back, borrow=True))
@@ -126,7 +125,6 @@ class CoreLending:
             if len(set(held) - set(self.home)) > len(set(self.held) - set(self.home)):
                 metrics.CORE_BORROWS.labels(self.role).inc()
             self._repin(held)
-            metrics.CORES_HELD.labels(self.role).set(len(held))
 
     def between_layers(self) -> None:
         """Mid-step, between two decoder layers (`Engine.between_layers`): give back the
@@ -140,7 +138,6 @@ class CoreLending:
         if held != self.held:
             self._repin(held)
             metrics.CORE_MID_STEP_RETURNS.labels(self.role).inc()
-            metrics.CORES_HELD.labels(self.role).set(len(held))
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -172,6 +169,7 @@ class CoreLending:
         if self.costs:  # the team's size changed: so did its steps' cost
             self.engine.use_step_cost(self._cost(len(held)))
         metrics.CORE_REPIN_SECONDS.labels(self.role).observe(time.perf_counter() - started)
+        metrics.CORES_HELD.labels(self.role).set(len(held))
 
     def _cost(self, threads: int) -> StepCost | None:
         """The fit at `threads`, else at the most threads below it (it predicts longer steps:

@@ -70,10 +70,9 @@ inline float dot(const float* q, const scalar_t* k, int64_t head_dim) {
   return part[0];
 }
 
-// out_h = sum_p probs[h][p] * v_p, one query head at a time with its HD sums in registers; the
-// request's V rows stay in L2 between the heads of a group.
-// Positions [first, last) of a request are its blocks first / block_size on (first: a block's
-// start), and scores[h][p - first] their weights for query head h.
+// out_h = sum_p w[h][p - first] * v_p over a request's positions [first, last) (first: a
+// block's start, so they are its blocks first / block_size on), one query head at a time with
+// its HD sums in registers; the request's V rows stay in L2 between the heads of a group.
 template <typename scalar_t, int64_t HD, typename out_t>
 void weighted_sum(const float* scores, const scalar_t* v_cache, const int64_t* block_table, int64_t first,
                   int64_t last, int64_t block_size, int64_t row_size, int64_t num_heads, const int64_t* kv_offset,
@@ -224,7 +223,7 @@ void merge_parts(const float* m, const float* l, const float* part, int64_t num_
 // more, whole contexts: splitting them measured slower (merging costs more than it balances).
 constexpr int64_t kMinPart = 256;
 
-inline int64_t part_length(int64_t num_decodes, int64_t total_len, int64_t block_size, int64_t threads) {
+inline int64_t part_length(int64_t total_len, int64_t block_size, int64_t threads) {
   const int64_t want = std::max(kMinPart, (total_len + 2 * threads - 1) / (2 * threads));
   return (want + block_size - 1) / block_size * block_size;
 }
@@ -265,7 +264,7 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
   // The parts: (request, first position) items, a request's adjacent.
   int64_t total_len = 0;
   for (int64_t b = 0; b < num_decodes; ++b) total_len += lens[b];
-  const int64_t part = part_length(num_decodes, total_len, block_size, threads);
+  const int64_t part = part_length(total_len, block_size, threads);
   std::vector<int64_t> first_part(num_decodes + 1, 0), item_request, item_first;
   for (int64_t b = 0; b < num_decodes; ++b) {
     for (int64_t p = 0; p < lens[b]; p += part) item_request.push_back(b), item_first.push_back(p);
