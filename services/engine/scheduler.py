@@ -9,7 +9,9 @@ RECOMPUTE preemption), keeping its generated tokens.
 Admission is first come, first served (a long prompt is never starved) and looks up the prefix
 cache first: a request starts with the cached blocks of its longest cached prefix and computes
 only the rest. At least the last prompt token is always computed, since its logits give the
-first token, so a hit covers at most `block_hash.max_cached_blocks` blocks.
+first token, so a hit covers at most `block_hash.max_cached_blocks` blocks. With a cost model
+a prompt joins a step already computing prompts only where that lowers the total TTFT
+(`step_budget.worth_packing`); without one `max_num_batched_tokens` alone bounds a step.
 
 A DECODE request whose prompt KV comes from a transfer holds its blocks before it gets here
 (`remote_kv.py` reserves them); `schedule(ready_remote)` starts those whose KV can be loaded
@@ -33,6 +35,7 @@ from services.engine.step_budget import (
     StepBudget,
     prompt_deadline_s,
     streams_allow_s,
+    worth_packing,
 )
 from services.kv_transfer.handle import KVHandle
 
@@ -178,6 +181,11 @@ class Scheduler:
             )
             num_cached = len(cached) * block_size
             num_new = min(request.num_tokens - num_cached, budget)
+            done = num_new == request.num_tokens - num_cached
+            rows = [(len(s.token_ids), s.start_position) for s in out.scheduled]
+            chunk, behind = (num_new, num_cached), len(self.waiting) - 1
+            if self.step_budget and not worth_packing(self.step_budget, rows, chunk, behind, done):
+                break
             if not self.kv_cache.allocate_slots(request, num_new, cached):
                 break
             request.num_computed_tokens = num_cached

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.cost_model.step_cost import StepCost, StepShape
+from services.cost_model.step_log import shape_of
 
 MIN_CHUNK_TOKENS = 16  # a prompt always advances, even when a decode step alone misses the ITL
 
@@ -128,6 +129,41 @@ def prompt_deadline_s(
     )
     asked = (asked_itl_s(r.objectives, itl_s) for r in decodes)
     return min([need, *(a for a in asked if a is not None)])
+
+
+def worth_packing(
+    budget: StepBudget,
+    step_rows: Sequence[tuple[int, int]],
+    chunk: tuple[int, int],
+    behind: int,
+    completes: bool = True,
+) -> bool:
+    """Whether the next waiting prompt's `chunk` ((tokens, cached before them)) should join a
+    step whose rows are already `step_rows` ((tokens, start position) each; one-token rows are
+    decodes) rather than start the next step, with `behind` prompts waiting after it;
+    `completes`: the chunk is the rest of its prompt.
+
+    Packing saves the prompt the fixed part of a step of its own, `s` = the chunk's predicted
+    seconds alone - `d`, its marginal seconds in this step; it costs each of the step's `k`
+    prompt rows `d` seconds of TTFT. The prompts behind it save `s` each, since the queue drains
+    one step sooner. So it joins iff k * d < (1 + behind) * s: the exchange argument for the sum of
+    completion times on one machine with a setup cost per batch (Potts and Kovalyov, "Scheduling
+    with batching: a review", EJOR 2000). Where a prompt's compute dwarfs a step's fixed part,
+    as a CPU's prefill of a few hundred tokens does, each prompt gets its own step and the first
+    one's TTFT no longer waits for the others' (docs/benchmarks.md, issue 32's eleventh sitting);
+    tiny prompts, or a long queue, still share a step. A step with no prompt rows yet always
+    takes it; a chunk that leaves part of its prompt for a later step saves nobody a step, so
+    it joins only such a step."""
+    prompts = sum(1 for n, _ in step_rows if n > 1)
+    if not prompts:
+        return True
+    if not completes:
+        return False
+    rows = shape_of(step_rows)
+    with_chunk = StepShape(chunks=(*rows.chunks, chunk), decode_contexts=rows.decode_contexts)
+    marginal = budget.cost.predict(with_chunk) - budget.cost.predict(rows)
+    saved = budget.cost.predict(StepShape(chunks=(chunk,))) - marginal
+    return prompts * marginal < (1 + behind) * saved
 
 
 LIVE_SCALE_WEIGHT = 0.1

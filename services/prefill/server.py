@@ -34,6 +34,7 @@ from services.worker.runtime import (
     next_output,
     worker_info,
 )
+from services.worker.step_cost import settle_step_cost
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,10 @@ def start_prefill(config: PrefillConfig) -> RunningWorker:
         return loop.call(lambda: not engine.has_unfinished_requests() and not engine.pinned)
 
     worker = RunningWorker(service, loop, prefill.draining, drained, close)
-    worker.warm_up_and_serve(core_ledger=config.core_ledger)
+    threads = config.threads or engine.num_threads()
+    worker.warm_up_and_serve(
+        lambda: settle_step_cost(engine, threads, "saved"), config.core_ledger
+    )  # the saved fit decides which queued prompts share a step (`step_budget.worth_packing`)
     worker.join_routers(config.register_with)
     return worker
 

@@ -228,8 +228,8 @@ def pin_team(cpus: list[int]) -> Sequence[int] | None:
 def open_lending(path: str, engine: Engine, role: str) -> CoreLending:
     """`engine`'s lending through the ledger at `path` (its name there: `worker_name`).
     The saved fits for every thread count come along, so the step budget follows the team's
-    size: a decode worker's (unless its --cost-model is off), and a prefill worker's too (it
-    sizes no mixed steps, so `settle_step_cost` gave it none). The engine calls
+    size: a decode worker's (unless its --cost-model is off), and a prefill worker's too
+    (`settle_step_cost` gave it only the saved fit at its own thread count). The engine calls
     `CoreLending.between_layers` in every step. Raises OSError when the ledger cannot be opened,
     ValueError naming core_ledger when it does not list this worker."""
     ledger = CoreLedger.open(path, worker_name(engine.config.engine_id))

@@ -1,5 +1,7 @@
-"""A decode worker's step cost: the model `pdserve profile` saved for its machine, dtype, model
-and thread count, which sizes the prompt chunks of its mixed steps (`engine/step_budget.py`).
+"""A worker's step cost: the model `pdserve profile` saved for its machine, dtype, model and
+thread count. A decode worker sizes the prompt chunks of its mixed steps by it, and every worker
+decides by it which queued prompts share a step (`engine/step_budget.py`). A prefill worker
+takes the saved model only (mode "saved"): it has no mixed steps to size, so no start-up profile.
 
 `--cost-model auto` (the default): the saved model, else a quick profile run once on the engine
 thread before the worker turns SERVING (`services/cost_model/profile.py`, QUICK: well under 60 s
@@ -17,6 +19,7 @@ from pathlib import Path
 from services.cost_model import store
 from services.cost_model.step_cost import StepCost
 from services.engine import Engine
+from services.engine.config import EngineRole
 from services.engine.file_lock import file_lock
 
 logger = logging.getLogger(__name__)
@@ -41,11 +44,18 @@ def settle_step_cost(engine: Engine, threads: int, mode: str = "auto") -> StepCo
         path.parent.mkdir(parents=True, exist_ok=True)
         with file_lock(path.with_suffix(".lock")):
             cost = _saved(key, threads) or _profile(engine, key, threads)
+    prefill = engine.config.role == EngineRole.PREFILL
     if cost is None:
-        logger.warning(
-            "no cost model for %d thread(s) of %s here (%s): mixed steps are capped by "
+        logger.log(
+            logging.INFO if prefill else logging.WARNING,
+            "no cost model for %d thread(s) of %s here (%s): %s are capped by "
             "--max-num-batched-tokens only; `pdserve profile` fits one",
-            threads, key.model, key.path(),
+            threads, key.model, key.path(), "steps" if prefill else "mixed steps",
+        )  # fmt: skip
+    elif prefill:
+        logger.info(
+            "cost model for %d thread(s): queued prompts share a step only where that lowers "
+            "their TTFT", threads,
         )  # fmt: skip
     else:
         itl_ms = engine.config.slo_itl_ms

@@ -22,6 +22,7 @@ from services.engine.step_budget import (
     allowed_step_s,
     default_itl_s,
     stream_itl_s,
+    worth_packing,
 )
 from tests.engine.helpers import GREEDY, make_engine, run_to_completion
 from tests.reference import assert_equivalent, hf_greedy
@@ -295,3 +296,55 @@ def test_an_objective_must_be_positive(tiny_llama):
         make_engine(tiny_llama, num_blocks=16, slo_itl_ms=-1)
     with pytest.raises(ValueError, match=r"^slo_tpot_ms: must be > 0 milliseconds"):
         make_engine(tiny_llama, num_blocks=16, slo_tpot_ms=0)
+
+
+@pytest.mark.parametrize(
+    ("step_rows", "chunk", "behind", "expected"),
+    [
+        ((), (40, 0), 5, True),  # the step's first prompt always joins
+        (((1, 99), (1, 50)), (40, 0), 0, True),  # beside decode rows only: the budget decides
+        (((40, 0),), (40, 0), 0, False),  # 1 x 40 ms delay against a 10 ms step saved
+        (((40, 0),), (40, 0), 2, False),  # 40 > (1 + 2) x 10
+        (((40, 0),), (40, 0), 4, True),  # 40 < (1 + 4) x 10: a long queue packs
+        (((4, 0),), (4, 0), 0, True),  # tiny prompts share a step: 4 < 10
+        (((4, 0), (4, 0), (4, 0)), (4, 0), 0, False),  # ... until 3 x 4 > 10
+    ],
+)
+def test_a_prompt_joins_a_step_only_where_that_lowers_the_queues_total_ttft(
+    step_rows, chunk, behind, expected
+):
+    """k prompt rows each wait the chunk's marginal seconds d (1 ms a token); packing saves the
+    chunk and each prompt behind it a step's fixed 10 ms: join iff k * d < (1 + behind) * 10."""
+    assert worth_packing(StepBudget(FAKE), step_rows, chunk, behind) is expected
+
+
+def test_a_chunk_leaving_part_of_its_prompt_joins_only_a_step_without_prompts():
+    """A partial chunk saves nobody a step: it rides only where no prompt row would wait."""
+    budget = StepBudget(FAKE)
+    assert worth_packing(budget, ((1, 99),), (3, 0), 0, completes=False)
+    assert not worth_packing(budget, ((40, 0),), (3, 0), 9, completes=False)
+    assert worth_packing(budget, ((40, 0),), (3, 0), 0, completes=True)  # 3 < 10
+
+
+@pytest.mark.parametrize(("length", "packed"), [(40, False), (4, True)])
+def test_queued_prompts_get_steps_of_their_own_unless_tiny(tiny_model, length, packed):
+    """Three prompts queued at once on an idle engine with a cost model: 40-token prompts
+    (40 ms of compute against a 10 ms step) each take their own step, so the first one's TTFT is
+    its own prefill, not the three's; 4-token ones share the first step. Without a cost model
+    `max_num_batched_tokens` alone packs them, as before. Greedy output is unchanged."""
+    engine = make_engine(tiny_model, num_blocks=256)
+    _use(engine, FAKE)
+    prompts = _prompts([length] * 3, seed=5)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    outs, steps = run_to_completion(engine, {f"p{i}": (p, params) for i, p in enumerate(prompts)})
+    if packed:
+        assert steps[0] == {"p0": length, "p1": length, "p2": length}
+    else:
+        assert steps[0] == {"p0": length}
+        assert steps[1] == {"p0": 1, "p1": length}  # beside a decode row the budget decides
+        assert steps[2] == {"p0": 1, "p1": 1, "p2": length}
+    for i, prompt in enumerate(prompts):
+        assert_equivalent(outs[f"p{i}"], hf_greedy(tiny_model, prompt, 4), f"p{i}")
+    plain = make_engine(tiny_model, num_blocks=256)
+    _, plain_steps = run_to_completion(plain, {f"p{i}": (p, params) for i, p in enumerate(prompts)})
+    assert plain_steps[0] == {"p0": length, "p1": length, "p2": length}
