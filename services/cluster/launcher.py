@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from services import kernel_cache
 from services.cluster.children import ChildSpec
 from services.cluster.config import ClusterConfig
 from services.cluster.placement import PlacementPlan, plan_placement, visible_gpus
@@ -48,10 +49,25 @@ class ClusterSpec:
     model: str = ""  # the served model, the targets' `model` label
     core_ledger: str | None = None  # the workers' core ledger, created at start, removed at stop
     home_cpus: dict[str, list[int]] = field(default_factory=dict)  # its worker name -> CPUs
+    cpu_kernels: bool = False  # CPU workers: build the C++ kernels before they start
 
-    def prepare(self) -> list[str]:
-        """Before the first child starts: create the core ledger. Returns the lines to log
-        (the placement, the serving paths, lending)."""
+    def build_kernels(self, say: Callable[[str], None]) -> None:
+        """Before the first child starts: on the CPU, build the C++ kernels once if this
+        environment has none (`services/kernel_cache.py`), so no worker's start timeout counts
+        a compile; saying so first. A build that fails leaves the workers their torch path."""
+        if not self.cpu_kernels or kernel_cache.built():
+            return
+        where = kernel_cache.build_dir()
+        say(f"compiling the CPU kernels once (a minute or two on 2 cores): {where}")
+        if not kernel_cache.build():
+            say("the CPU kernels did not build: the workers use the pure-torch path")
+
+    def prepare(self, say: Callable[[str], None] | None = None) -> list[str]:
+        """Before the first child starts: build the CPU kernels if needed (`build_kernels`,
+        telling `say`), create the core ledger. Returns the lines to log (the placement, the
+        serving paths, lending)."""
+        if say is not None:
+            self.build_kernels(say)
         lines = [line for line in (self.plan_line, self.path_line) if line]
         if self.core_ledger:
             lines.append(create_core_ledger(self.core_ledger, self.home_cpus))
@@ -131,6 +147,7 @@ def cluster_spec(config: ClusterConfig, plan: PlacementPlan | None = None) -> Cl
         model=config.engine.model,
         core_ledger=ledger,
         home_cpus=homes,
+        cpu_kernels=config.engine.device == "cpu",
     )
 
 

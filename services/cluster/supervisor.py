@@ -66,7 +66,7 @@ class Supervisor:
             sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)
         }
         try:
-            for line in self.spec.prepare():
+            for line in self.spec.prepare(_say):
                 _say(line)
             try:
                 self._wait_ready([self._start(spec) for spec in self.spec.workers])
