@@ -18,12 +18,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from services import kernel_cache
 from services.cluster.children import ChildSpec
 from services.cluster.config import ClusterConfig
 from services.cluster.placement import PlacementPlan, plan_placement, visible_gpus
 from services.config.handoff import to_json
 from services.config.roles import API_KEY_ENV
+from services.engine.kernels import cache as kernel_cache
 from services.router.pool.serving_path import ServingPaths
 from services.worker.core_ledger import CoreLedger, worker_name
 from services.worker.cpus import parse_cpu_list
@@ -53,7 +53,7 @@ class ClusterSpec:
 
     def build_kernels(self, say: Callable[[str], None]) -> None:
         """Before the first child starts: on the CPU, build the C++ kernels once if this
-        environment has none (`services/kernel_cache.py`), so no worker's start timeout counts
+        environment has none (`engine/kernels/cache.py`), so no worker's start timeout counts
         a compile; saying so first. A build that fails leaves the workers their torch path."""
         if not self.cpu_kernels or kernel_cache.built():
             return

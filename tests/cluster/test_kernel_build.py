@@ -1,6 +1,6 @@
 """`pdserve serve` builds the C++ CPU kernels before its workers start, so a first start on a
 slow machine never counts a compile against a worker's start timeout
-(`services/kernel_cache.py`, `ClusterSpec.build_kernels`)."""
+(`services/engine/kernels/cache.py`, `ClusterSpec.build_kernels`)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services import kernel_cache
 from services.cluster import launcher
+from services.engine.kernels import cache as kernel_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_build_folder_is_found_without_loading_torch():
     code = (
-        "import sys; from services import kernel_cache; import services.cluster.launcher; "
-        "kernel_cache.built(); assert 'torch' not in sys.modules, 'torch loaded'"
+        "import sys; from services.engine.kernels import cache; import services.cluster.launcher; "
+        "cache.built(); assert 'torch' not in sys.modules, 'torch loaded'"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 

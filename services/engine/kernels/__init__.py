@@ -1,7 +1,7 @@
 """C++ kernels built on first use: CPU paged decode attention, fused layer ops, OpenMP pins."""
 
 # Built with torch's extension builder (a C++ compiler and ninja; a minute or two on 2 cores) into
-# `services/kernel_cache.build_dir()`, keyed by the source, torch, this CPU and the checkout, so
+# `cache.build_dir()`, keyed by the source, torch, this CPU and the checkout, so
 # later processes load it in well under a second; `pdserve serve` builds it before its workers.
 # Where it cannot be built, `load_cpu_kernels()` returns None and attention and the layer ops fall
 # back to the pure-torch path.
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from services.kernel_cache import CFLAGS, SOURCES, build_dir
+from services.engine.kernels.cache import CFLAGS, SOURCES, build_dir
 
 logger = logging.getLogger(__name__)
 

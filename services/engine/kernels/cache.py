@@ -1,5 +1,6 @@
-"""Where pdserve's C++ CPU kernels are built, and whether they are: torch-free, so `pdserve
-serve` can build them once before its workers start (a worker's start timeout then never counts
+"""Where pdserve's C++ CPU kernels are built, and whether they are: torch-free (as is this
+package's `__init__` until a kernel is loaded), so `pdserve serve` can build them once before
+its workers start (a worker's start timeout then never counts
 a compile, which takes a minute or two on 2 cores) without loading torch itself.
 
 The build folder `$PDSERVE_CACHE_DIR/kernels/cpu_kernels-<key>` is keyed by the sources, the
@@ -21,7 +22,7 @@ from pathlib import Path
 from services.cpu import cpu_info
 from services.env import cache_dir
 
-KERNEL_DIR = Path(__file__).resolve().parent / "engine" / "kernels"
+KERNEL_DIR = Path(__file__).resolve().parent
 SOURCES = [
     KERNEL_DIR / n for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "threads.cpp")
 ]
@@ -83,7 +84,7 @@ def build(timeout_s: float = BUILD_TIMEOUT_S) -> bool:
     code = (
         "from services.engine.kernels import load_cpu_kernels as k; raise SystemExit(k() is None)"
     )
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[3]
     try:
         done = subprocess.run([sys.executable, "-c", code], cwd=root, timeout=timeout_s)
     except subprocess.TimeoutExpired:
