@@ -86,7 +86,9 @@ def build(timeout_s: float = BUILD_TIMEOUT_S) -> bool:
     )
     root = Path(__file__).resolve().parents[3]
     try:
-        done = subprocess.run([sys.executable, "-c", code], cwd=root, timeout=timeout_s)
+        done = subprocess.run(  # its own "compiling" line: the caller says it
+            [sys.executable, "-c", code], cwd=root, timeout=timeout_s, capture_output=True
+        )
     except subprocess.TimeoutExpired:
         return False
     return done.returncode == 0
