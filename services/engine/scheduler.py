@@ -181,11 +181,12 @@ class Scheduler:
             )
             num_cached = len(cached) * block_size
             num_new = min(request.num_tokens - num_cached, budget)
-            done = num_new == request.num_tokens - num_cached
-            rows = [(len(s.token_ids), s.start_position) for s in out.scheduled]
-            chunk, behind = (num_new, num_cached), len(self.waiting) - 1
-            if self.step_budget and not worth_packing(self.step_budget, rows, chunk, behind, done):
-                break
+            if self.step_budget is not None:  # without a cost model the token budget alone packs
+                rows = [(len(s.token_ids), s.start_position) for s in out.scheduled]
+                done = num_new == request.num_tokens - num_cached
+                behind = len(self.waiting) - 1
+                if not worth_packing(self.step_budget, rows, (num_new, num_cached), behind, done):
+                    break
             if not self.kv_cache.allocate_slots(request, num_new, cached):
                 break
             request.num_computed_tokens = num_cached

@@ -204,10 +204,8 @@ class LiveScale:
     def observe_step(self, cost: StepCost, rows: Sequence[tuple[int, int]], seconds: float) -> None:
         """Fold in one engine step of `rows` ((tokens, start position) each) that took `seconds`,
         predicted by `cost`, when it was a mixed step (a prompt chunk beside decode rows)."""
-        chunks = tuple((n, start) for n, start in rows if n > 1)
-        contexts = tuple(start + 1 for n, start in rows if n == 1)
-        if chunks and contexts:
-            shape = StepShape(chunks=chunks, decode_contexts=contexts)
+        shape = shape_of(rows) if rows else None
+        if shape is not None and shape.chunks and shape.decode_contexts:
             self.observe(cost.threads, cost.predict(shape), seconds)
 
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from services.engine.kernels.cache import CFLAGS, SOURCES, build_dir
+from services.engine.kernels import cache
 
 logger = logging.getLogger(__name__)
 
@@ -43,21 +43,21 @@ def load_cpu_kernels() -> ModuleType | None:
     ids`), or None where it cannot be built (the reason is logged once)."""
     from torch.utils import cpp_extension  # heavy import, only when a CPU engine starts
 
-    build_dir_ = build_dir()
-    _clear_stale_lock(build_dir_ / "lock")
-    if not any(build_dir_.glob("*.so")):
+    folder = cache.build_dir()
+    _clear_stale_lock(folder / "lock")
+    if not cache.built(folder):
         print(
-            f"pdserve: compiling the CPU kernels once (a minute or two on 2 cores): {build_dir_}",
+            f"pdserve: compiling the CPU kernels once (a minute or two on 2 cores): {folder}",
             file=sys.stderr,
             flush=True,
         )
     try:
         return cpp_extension.load(
             name="pdserve_cpu_kernels",
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=CFLAGS,
+            sources=[str(source) for source in cache.SOURCES],
+            extra_cflags=cache.CFLAGS,
             extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir_),
+            build_directory=str(folder),
             verbose=False,
         )
     except (RuntimeError, OSError, ImportError) as exc:  # no compiler, no ninja, build error

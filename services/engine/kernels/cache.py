@@ -1,7 +1,7 @@
 """Where pdserve's C++ CPU kernels are built, and whether they are: torch-free (as is this
 package's `__init__` until a kernel is loaded), so `pdserve serve` can build them once before
-its workers start (a worker's start timeout then never counts
-a compile, which takes a minute or two on 2 cores) without loading torch itself.
+its workers start (a worker's start timeout then never counts a compile, which takes a minute
+or two on 2 cores) without loading torch itself.
 
 The build folder `$PDSERVE_CACHE_DIR/kernels/cpu_kernels-<key>` is keyed by the sources, the
 torch installation (its version and path: each environment builds against its own headers),
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.cpu import cpu_info
+from services.cpu import cpu_flags
 from services.env import cache_dir
 
 KERNEL_DIR = Path(__file__).resolve().parent
@@ -35,10 +35,6 @@ HEADERS = [KERNEL_DIR / "exp_math.h"]  # part of the key
 # never enables traps, and the flag changes no result.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 BUILD_TIMEOUT_S = 900.0  # a first build on a slow 2-core machine, with room
-
-
-def cpu_flags() -> str:
-    return cpu_info().get("flags") or platform.processor()
 
 
 def _torch_identity() -> tuple[str, str]:
@@ -61,7 +57,7 @@ def build_dir() -> Path:
         *(s.encode() for s in _torch_identity()),
         sys.version.encode(),
         platform.machine().encode(),
-        cpu_flags().encode(),
+        (" ".join(cpu_flags()) or platform.processor()).encode(),
         " ".join(CFLAGS).encode(),
         str(KERNEL_DIR).encode(),
     ):
@@ -71,9 +67,10 @@ def build_dir() -> Path:
     return path
 
 
-def built() -> bool:
-    """Whether this environment's kernels are built (a later load takes under a second)."""
-    return any(build_dir().glob("*.so"))
+def built(folder: Path | None = None) -> bool:
+    """Whether this environment's kernels are built in `folder` (None: `build_dir()`), so a
+    load takes under a second."""
+    return any((folder or build_dir()).glob("*.so"))
 
 
 def build(timeout_s: float = BUILD_TIMEOUT_S) -> bool:
